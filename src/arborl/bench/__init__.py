@@ -1,0 +1,22 @@
+"""``arborl bench NAME [--quick]``: benchmarks that print a table and, last, one JSON line.
+
+Each benchmark is a function ``run(quick: bool, console) -> dict`` registered by name; variants
+are compared as ratios inside one run because the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+# name -> "module:function", imported lazily so `arborl --help` stays fast
+BENCHMARKS: dict[str, str] = {
+    "engine": "arborl.bench.engine_bench:run",
+}
+
+
+def get_benchmark(name: str) -> Callable:
+    if name not in BENCHMARKS:
+        raise KeyError(name)
+    module, func = BENCHMARKS[name].split(":")
+    return getattr(importlib.import_module(module), func)

@@ -1,0 +1,185 @@
+"""``arborl bench engine``: the built-in engine on SmolLM2-135M-Instruct, CPU.
+
+1. throughput: the same 32 chat prompts, greedy, a fixed number of new tokens each
+   (ignore_eos / min_new_tokens), engine vs transformers ``generate``, alternating A B A B;
+2. exactness: engine log-probs vs a plain transformers forward on the generated sequences;
+3. multi-turn: 8 sessions x 4 turns sharing a ~300-token system prompt, each turn extending the
+   previous prompt + completion token for token; prefix reuse on vs off.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from arborl.config import EngineConfig, ModelConfig
+from arborl.engine import LLMEngine
+from arborl.models import LoadedModel, chat_token_ids, load_model
+from arborl.types import GenerateRequest, SamplingParams
+
+SYSTEM_PROMPT = (
+    "You are Arbor, a careful assistant that solves arithmetic word problems with a calculator tool. "
+    "Rules: (1) Read the question twice and write down every quantity it mentions with its unit. "
+    "(2) Decide which operations are needed and in which order; never guess a result you can compute. "
+    "(3) To compute, call the tool by writing <tool_call>{\"name\": \"calculator\", \"arguments\": "
+    "{\"expression\": \"...\"}}</tool_call> and wait for the tool's answer before you continue. "
+    "(4) Use one tool call per expression; keep expressions short, with explicit parentheses. "
+    "(5) When a tool answer looks wrong, check the expression you sent before trying again. "
+    "(6) Never invent tool answers and never repeat a call whose answer you already have. "
+    "(7) When every quantity is known, state the final answer as 'Answer: <number>' on its own line. "
+    "(8) Keep explanations brief: one sentence per step is enough, and no step should be skipped. "
+    "(9) If the question is ambiguous, say which reading you chose and why, then solve that reading. "
+    "(10) Round only at the end, to two decimals, unless the question asks for an exact fraction. "
+    "Example: 'A shop sells 3 boxes of 12 pencils and 5 single pencils. How many pencils?' -> "
+    "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"3*12+5\"}}</tool_call> -> 41 -> "
+    "Answer: 41. Another example: 'A train travels 120 km in 1.5 hours; what is its average speed?' -> "
+    "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"120/1.5\"}}</tool_call> -> 80 -> "
+    "Answer: 80 km/h. Be precise, be brief, and always finish with the answer line."
+)
+
+QUESTIONS = [
+    "What is {a} plus {b}?",
+    "Compute {a} times {b}.",
+    "A box holds {a} apples and another holds {b}. How many in total?",
+    "Subtract {b} from {a}.",
+    "What is {a} divided by {b}, rounded to two decimals?",
+    "If I walk {a} km a day for {b} days, how far do I walk?",
+    "Explain in one sentence why {a} is larger or smaller than {b}.",
+    "Write a short haiku about the number {a}.",
+]
+
+
+def _prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)].format(a=17 + 13 * i, b=3 + 7 * i)
+        out.append(chat_token_ids(loaded.tokenizer, [{"role": "user", "content": q}]))
+    return out
+
+
+def _engine(loaded: LoadedModel, *, prefix_cache: bool = True, batch: int = 32) -> LLMEngine:
+    cfg = EngineConfig(max_batch_size=batch, max_seq_len=1024, prefix_cache=prefix_cache)
+    return LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
+
+
+def _run_engine(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int):
+    eng = _engine(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    results = eng.generate([GenerateRequest(p, params) for p in prompts])
+    return time.perf_counter() - t0, results
+
+
+@torch.inference_mode()
+def _run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int):
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else loaded.eos_token_ids[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    out = loaded.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    return time.perf_counter() - t0, out[:, width:].tolist()
+
+
+@torch.inference_mode()
+def _logprob_diff(loaded: LoadedModel, results) -> float:
+    worst = 0.0
+    for r in results:
+        ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+        logp = torch.log_softmax(loaded.model(ids).logits[0].float(), -1)
+        n = len(r.prompt_token_ids)
+        ref = logp[torch.arange(n - 1, n - 1 + len(r.token_ids)), torch.tensor(r.token_ids)]
+        worst = max(worst, (ref - torch.tensor(r.logprobs)).abs().max().item())
+    return worst
+
+
+def _multiturn(loaded: LoadedModel, *, sessions: int, turns: int, new_tokens: int, prefix_cache: bool):
+    tok = loaded.tokenizer
+    eng = _engine(loaded, prefix_cache=prefix_cache, batch=sessions)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    convo = [
+        chat_token_ids(tok, [{"role": "system", "content": SYSTEM_PROMPT},
+                             {"role": "user", "content": QUESTIONS[s % len(QUESTIONS)].format(a=s + 2, b=s + 5)}])
+        for s in range(sessions)
+    ]
+    t0 = time.perf_counter()
+    for turn in range(turns):
+        results = eng.generate([GenerateRequest(c, params) for c in convo])
+        if turn + 1 < turns:
+            for s, r in enumerate(results):
+                follow = f"<|im_end|>\n<|im_start|>user\nNow add {turn + s} to that.<|im_end|>\n<|im_start|>assistant\n"
+                convo[s] = r.prompt_token_ids + r.token_ids + tok.encode(follow, add_special_tokens=False)
+    wall = time.perf_counter() - t0
+    st = eng.stats
+    return wall, st.cached_prompt_tokens / st.prompt_tokens, st.prompt_tokens
+
+
+def run(quick: bool, console: Console) -> dict:
+    torch.manual_seed(0)
+    console.print("loading SmolLM2-135M-Instruct ...")
+    loaded = load_model(ModelConfig(source="smollm2"))
+    n_prompts, new_tokens = 32, (32 if quick else 40)
+    reps = 1 if quick else 2
+    prompts = _prompts(loaded, n_prompts)
+
+    _run_engine(loaded, prompts[:2], 2)  # warm-up (allocator, kernels)
+    eng_s, hf_s = [], []
+    results = hf_tokens = None
+    for rep in range(reps):  # A B A B
+        s, results = _run_engine(loaded, prompts, new_tokens)
+        eng_s.append(s)
+        console.print(f"  rep {rep}: engine {s:.2f}s")
+        s, hf_tokens = _run_hf(loaded, prompts, new_tokens)
+        hf_s.append(s)
+        console.print(f"  rep {rep}: transformers generate {s:.2f}s")
+    total = n_prompts * new_tokens
+    eng_tps, hf_tps = total / min(eng_s), total / min(hf_s)
+    agree = sum(r.token_ids == h for r, h in zip(results, hf_tokens)) / n_prompts
+    diff = _logprob_diff(loaded, results[: (4 if quick else 8)])
+
+    mt = dict(sessions=8, turns=4, new_tokens=(16 if quick else 24))
+    on_s, skipped, prompt_tokens = _multiturn(loaded, prefix_cache=True, **mt)
+    off_s, _, _ = _multiturn(loaded, prefix_cache=False, **mt)
+
+    table = Table(title="arborl bench engine (SmolLM2-135M-Instruct, CPU)")
+    for col in ("figure", "value"):
+        table.add_column(col)
+    rows = [
+        ("engine tokens/s", f"{eng_tps:.1f}"),
+        ("transformers generate tokens/s", f"{hf_tps:.1f}"),
+        ("engine / transformers", f"{eng_tps / hf_tps:.2f}x"),
+        ("greedy sequences identical to HF generate", f"{agree:.2f}"),
+        ("max |logprob - HF forward|", f"{diff:.2e}"),
+        ("multi-turn prompt tokens", str(prompt_tokens)),
+        ("multi-turn prefill skipped", f"{skipped:.3f}"),
+        ("multi-turn reuse on / off", f"{on_s:.2f}s / {off_s:.2f}s = {off_s / on_s:.2f}x"),
+    ]
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    return {
+        "bench": "engine",
+        "quick": quick,
+        "prompts": n_prompts,
+        "new_tokens": new_tokens,
+        "engine_tokens_per_s": round(eng_tps, 2),
+        "hf_tokens_per_s": round(hf_tps, 2),
+        "engine_vs_hf_tokens_per_s": round(eng_tps / hf_tps, 3),
+        "greedy_agreement_with_hf_generate": agree,
+        "logprob_max_abs_diff": diff,
+        "prefill_skipped_frac": round(skipped, 4),
+        "multiturn_speedup": round(off_s / on_s, 3),
+        "multiturn_reuse_on_s": round(on_s, 3),
+        "multiturn_reuse_off_s": round(off_s, 3),
+    }

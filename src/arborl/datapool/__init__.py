@@ -1,0 +1,19 @@
+"""Durable SQLite (WAL) store of calls and episodes; see store.py for the guarantees."""
+
+from arborl.datapool.store import (
+    SCHEMA_VERSION,
+    DataPool,
+    DataPoolConflictError,
+    DataPoolError,
+    DataPoolNotFoundError,
+    DataPoolSchemaError,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DataPool",
+    "DataPoolConflictError",
+    "DataPoolError",
+    "DataPoolNotFoundError",
+    "DataPoolSchemaError",
+]

@@ -1,0 +1,597 @@
+"""The data pool: a durable SQLite (WAL) store of calls and episodes.
+
+Durability: the file runs in WAL mode with ``synchronous=NORMAL``: a transaction whose commit has
+returned survives the writing process being killed (SIGKILL, OOM); only an OS crash or power
+loss may roll back the last few commits. Every public write method is one transaction, so a
+record is either fully stored or not at all -- a bad record raises and writes nothing.
+
+Storage: token ids and versions are little-endian int32 blobs, log-probabilities little-endian
+float32 blobs (see :mod:`arborl.datapool.codec`), so ``logprobs`` / ``sample_logprobs`` read back
+as their float32-rounded values. Small dicts (meta, reward components, interactions) are JSON.
+
+Threads: one connection guarded by a lock; any thread may call any method. Other processes (or
+other ``DataPool`` instances) may open the same file: WAL readers see every committed write.
+
+Immutability: a recorded call never changes. Writing a call id again with the same content is a
+no-op; with different content it raises :class:`DataPoolConflictError`. Episode rows (status,
+reward, ...) are mutable; their calls are append-only.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+from arborl.datapool import codec
+from arborl.types import ArborlError, Call, Episode, EpisodeStatus, InvalidRequestError
+
+if TYPE_CHECKING:
+    from arborl.config import DataPoolConfig
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS episodes (
+    episode_id        TEXT PRIMARY KEY,
+    task_id           TEXT NOT NULL,
+    group_id          TEXT NOT NULL DEFAULT '',
+    agent_kind        TEXT NOT NULL,
+    status            TEXT NOT NULL,
+    reward            REAL NULL,
+    reward_components TEXT NOT NULL DEFAULT '{}',
+    interactions      TEXT NOT NULL DEFAULT '[]',
+    meta              TEXT NOT NULL DEFAULT '{}',
+    started_at        REAL NOT NULL,
+    finished_at       REAL NULL,
+    min_version       INTEGER NULL,
+    max_version       INTEGER NULL,
+    updated_at        REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS calls (
+    call_id              TEXT PRIMARY KEY,
+    episode_id           TEXT NOT NULL REFERENCES episodes(episode_id),
+    seq                  INTEGER NOT NULL,
+    engine_id            TEXT NOT NULL DEFAULT '',
+    prompt               BLOB NOT NULL,
+    completion           BLOB NOT NULL,
+    logprobs             BLOB NOT NULL,
+    sample_logprobs      BLOB NOT NULL,
+    versions             BLOB NOT NULL,
+    min_version          INTEGER NULL,
+    max_version          INTEGER NULL,
+    finish_reason        TEXT NOT NULL,
+    created_at           REAL NOT NULL,
+    latency_s            REAL NOT NULL DEFAULT 0,
+    cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    meta                 TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS episodes_status ON episodes(status);
+CREATE INDEX IF NOT EXISTS episodes_group ON episodes(group_id);
+CREATE INDEX IF NOT EXISTS episodes_min_version ON episodes(min_version);
+CREATE UNIQUE INDEX IF NOT EXISTS calls_episode_seq ON calls(episode_id, seq);
+"""
+
+# Columns of `calls` that hold the immutable content of a call (everything but seq).
+_CALL_CONTENT = (
+    "episode_id, engine_id, prompt, completion, logprobs, sample_logprobs, versions, "
+    "min_version, max_version, finish_reason, created_at, latency_s, cached_prompt_tokens, meta"
+)
+_CALL_COLUMNS = "call_id, seq, " + _CALL_CONTENT
+_EPISODE_COLUMNS = (
+    "episode_id, task_id, group_id, agent_kind, status, reward, reward_components, interactions, "
+    "meta, started_at, finished_at, min_version, max_version"
+)
+_ORDERS = ("started_at", "updated_at", "finished_at", "reward", "episode_id", "min_version", "max_version")
+_IN_CHUNK = 500  # ids per IN (...) query, well under SQLite's variable limit
+
+
+class DataPoolError(ArborlError):
+    """The data pool cannot do what was asked (closed, unreadable file, ...)."""
+
+
+class DataPoolConflictError(DataPoolError, ValueError):
+    """A call id is already recorded with different content: recorded calls are immutable."""
+
+
+class DataPoolNotFoundError(DataPoolError, LookupError):
+    """The episode a write refers to is not in the data pool."""
+
+
+class DataPoolSchemaError(DataPoolError):
+    """The file's schema version is not one this arborl can read."""
+
+
+def _status_value(status: EpisodeStatus | str) -> str:
+    try:
+        return EpisodeStatus(status).value
+    except ValueError:
+        valid = ", ".join(s.value for s in EpisodeStatus)
+        raise InvalidRequestError(f"unknown episode status {status!r}; valid: {valid}") from None
+
+
+def _opt_float(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{what} must be a number or None, got {value!r}") from None
+
+
+class _EncodedCall:
+    __slots__ = ("call_id", "content")
+
+    def __init__(self, call: Call) -> None:
+        if not isinstance(call, Call):
+            raise InvalidRequestError(f"expected a Call, got {type(call).__name__}")
+        call.validate()
+        if not call.call_id or not isinstance(call.call_id, str):
+            raise InvalidRequestError("call_id must be a non-empty string")
+        if not call.episode_id or not isinstance(call.episode_id, str):
+            raise InvalidRequestError(f"call {call.call_id}: episode_id must be a non-empty string")
+        cid = call.call_id
+        versions = list(call.versions)
+        self.call_id = cid
+        # Same order as _CALL_CONTENT.
+        self.content: tuple[Any, ...] = (
+            call.episode_id,
+            str(call.engine_id),
+            codec.encode_i32(call.prompt_token_ids, f"call {cid}: prompt_token_ids"),
+            codec.encode_i32(call.completion_token_ids, f"call {cid}: completion_token_ids"),
+            codec.encode_f32(call.logprobs, f"call {cid}: logprobs"),
+            codec.encode_f32(call.sample_logprobs, f"call {cid}: sample_logprobs"),
+            codec.encode_i32(versions, f"call {cid}: versions"),
+            int(min(versions)) if versions else None,
+            int(max(versions)) if versions else None,
+            str(getattr(call.finish_reason, "value", call.finish_reason)),
+            float(call.created_at),
+            float(call.latency_s),
+            int(call.cached_prompt_tokens),
+            codec.encode_json(call.meta, f"call {cid}: meta"),
+        )
+
+    @property
+    def episode_id(self) -> str:
+        return self.content[0]
+
+
+def _row_to_call(row: sqlite3.Row) -> Call:
+    return Call(
+        episode_id=row["episode_id"],
+        prompt_token_ids=codec.decode_i32(row["prompt"]),
+        completion_token_ids=codec.decode_i32(row["completion"]),
+        logprobs=codec.decode_f32(row["logprobs"]),
+        sample_logprobs=codec.decode_f32(row["sample_logprobs"]),
+        versions=codec.decode_i32(row["versions"]),
+        finish_reason=row["finish_reason"],
+        call_id=row["call_id"],
+        engine_id=row["engine_id"],
+        created_at=row["created_at"],
+        latency_s=row["latency_s"],
+        cached_prompt_tokens=row["cached_prompt_tokens"],
+        meta=codec.decode_json(row["meta"], {}),
+    )
+
+
+def _row_to_episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
+    return Episode(
+        task_id=row["task_id"],
+        group_id=row["group_id"],
+        agent_kind=row["agent_kind"],
+        status=EpisodeStatus(row["status"]),
+        episode_id=row["episode_id"],
+        calls=calls,
+        interactions=codec.decode_json(row["interactions"], []),
+        reward_components=codec.decode_json(row["reward_components"], {}),
+        reward=row["reward"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        meta=codec.decode_json(row["meta"], {}),
+    )
+
+
+def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+class DataPool:
+    """Durable store of episodes and their calls (see the module docstring).
+
+    ``DataPool(path)`` creates the file (and its parent directory) if needed. ``":memory:"``
+    gives a private in-memory store (no WAL, no durability) for quick experiments.
+    """
+
+    def __init__(self, path: str | Path, busy_timeout_s: float = 30.0) -> None:
+        if busy_timeout_s <= 0:
+            raise InvalidRequestError(f"busy_timeout_s must be > 0, got {busy_timeout_s}")
+        self.path = str(path)
+        self.busy_timeout_s = float(busy_timeout_s)
+        self._lock = threading.RLock()
+        memory = self.path == ":memory:"
+        if not memory:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as e:
+            raise DataPoolError(f"cannot open data pool {self.path}: {e}") from e
+        self._conn: sqlite3.Connection | None = conn
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if not memory and str(mode).lower() != "wal":
+                raise DataPoolError(
+                    f"data pool {self.path}: SQLite refused WAL mode (journal_mode={mode}); "
+                    "put the run directory on a local filesystem"
+                )
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._init_schema()
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            self._conn = None
+            raise DataPoolError(f"data pool {self.path} is not a readable SQLite database: {e}") from e
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
+
+    @classmethod
+    def from_config(cls, run_dir: str | Path, cfg: "DataPoolConfig") -> "DataPool":
+        return cls(Path(run_dir) / cfg.filename, busy_timeout_s=cfg.busy_timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _init_schema(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise DataPoolSchemaError(
+                    f"data pool {self.path} has schema version {version}, but this arborl reads "
+                    f"up to version {SCHEMA_VERSION}: upgrade arborl to open it"
+                )
+            if version < SCHEMA_VERSION:
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    @property
+    def closed(self) -> bool:
+        return self._conn is None
+
+    def __enter__(self) -> "DataPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DataPool({self.path!r}{', closed' if self.closed else ''})"
+
+    def _c(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise DataPoolError(f"data pool {self.path} is closed")
+        return self._conn
+
+    def _write(self, fn: Any, *args: Any) -> Any:
+        """Run fn(conn, *args) in one IMMEDIATE transaction; roll back on any error."""
+        with self._lock:
+            conn = self._c()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = fn(conn, *args)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return out
+
+    def _read(self, fn: Any, *args: Any) -> Any:
+        """Run fn(conn, *args) in one read transaction (a consistent snapshot)."""
+        with self._lock:
+            conn = self._c()
+            conn.execute("BEGIN")
+            try:
+                return fn(conn, *args)
+            finally:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------ writes
+
+    def put_episode(self, ep: Episode) -> None:
+        """Upsert the episode row and insert its calls idempotently, in one transaction.
+
+        Every field of the episode row is overwritten with ``ep``'s; calls already stored but
+        absent from ``ep.calls`` are kept (calls are append-only). New calls get the next seq
+        numbers in ``ep.calls`` order; already stored calls keep theirs.
+        """
+        if not isinstance(ep, Episode):
+            raise InvalidRequestError(f"expected an Episode, got {type(ep).__name__}")
+        if not ep.episode_id or not isinstance(ep.episode_id, str):
+            raise InvalidRequestError("episode_id must be a non-empty string")
+        eid = ep.episode_id
+        calls = [_EncodedCall(c) for c in ep.calls]
+        seen: set[str] = set()
+        for c in calls:
+            if c.episode_id != eid:
+                raise InvalidRequestError(f"call {c.call_id} belongs to episode {c.episode_id}, not {eid}")
+            if c.call_id in seen:
+                raise InvalidRequestError(f"episode {eid} lists call {c.call_id} twice")
+            seen.add(c.call_id)
+        row = (
+            eid,
+            str(ep.task_id),
+            str(ep.group_id),
+            str(ep.agent_kind),
+            _status_value(ep.status),
+            _opt_float(ep.reward, f"episode {eid}: reward"),
+            codec.encode_json(ep.reward_components, f"episode {eid}: reward_components"),
+            codec.encode_json(ep.interactions, f"episode {eid}: interactions"),
+            codec.encode_json(ep.meta, f"episode {eid}: meta"),
+            float(ep.started_at),
+            _opt_float(ep.finished_at, f"episode {eid}: finished_at"),
+        )
+
+        def tx(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO episodes (episode_id, task_id, group_id, agent_kind, status, reward, "
+                "reward_components, interactions, meta, started_at, finished_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(episode_id) DO UPDATE SET task_id=excluded.task_id, "
+                "group_id=excluded.group_id, agent_kind=excluded.agent_kind, status=excluded.status, "
+                "reward=excluded.reward, reward_components=excluded.reward_components, "
+                "interactions=excluded.interactions, meta=excluded.meta, "
+                "started_at=excluded.started_at, finished_at=excluded.finished_at, "
+                "updated_at=excluded.updated_at",
+                row + (time.time(),),
+            )
+            for c in calls:
+                self._insert_call(conn, c)
+            self._refresh_versions(conn, eid)
+
+        self._write(tx)
+
+    def add_call(self, call: Call) -> int:
+        """Append ``call`` to its (existing) episode; returns its seq. Idempotent per call id."""
+        enc = _EncodedCall(call)
+
+        def tx(conn: sqlite3.Connection) -> int:
+            if conn.execute("SELECT 1 FROM episodes WHERE episode_id = ?", (enc.episode_id,)).fetchone() is None:
+                raise DataPoolNotFoundError(
+                    f"call {enc.call_id}: episode {enc.episode_id} is not in the data pool; "
+                    "put_episode it before adding calls"
+                )
+            seq, new = self._insert_call(conn, enc)
+            if new:
+                self._refresh_versions(conn, enc.episode_id)
+            return seq
+
+        return self._write(tx)
+
+    def update_episode(
+        self,
+        episode_id: str,
+        *,
+        status: EpisodeStatus | str | None = None,
+        reward: float | None = None,
+        reward_components: dict[str, float] | None = None,
+        interactions: list[dict[str, Any]] | None = None,
+        meta: dict[str, Any] | None = None,
+        finished_at: float | None = None,
+    ) -> None:
+        """Set the given fields of an episode (None = leave unchanged); unknown id -> error."""
+        sets: list[str] = []
+        vals: list[Any] = []
+        if status is not None:
+            sets.append("status = ?")
+            vals.append(_status_value(status))
+        if reward is not None:
+            sets.append("reward = ?")
+            vals.append(_opt_float(reward, f"episode {episode_id}: reward"))
+        if reward_components is not None:
+            sets.append("reward_components = ?")
+            vals.append(codec.encode_json(reward_components, f"episode {episode_id}: reward_components"))
+        if interactions is not None:
+            sets.append("interactions = ?")
+            vals.append(codec.encode_json(interactions, f"episode {episode_id}: interactions"))
+        if meta is not None:
+            sets.append("meta = ?")
+            vals.append(codec.encode_json(meta, f"episode {episode_id}: meta"))
+        if finished_at is not None:
+            sets.append("finished_at = ?")
+            vals.append(_opt_float(finished_at, f"episode {episode_id}: finished_at"))
+        sets.append("updated_at = ?")
+        vals.append(time.time())
+
+        def tx(conn: sqlite3.Connection) -> None:
+            cur = conn.execute(f"UPDATE episodes SET {', '.join(sets)} WHERE episode_id = ?", (*vals, episode_id))
+            if cur.rowcount == 0:
+                raise DataPoolNotFoundError(f"episode {episode_id} is not in the data pool")
+
+        self._write(tx)
+
+    @staticmethod
+    def _insert_call(conn: sqlite3.Connection, c: _EncodedCall) -> tuple[int, bool]:
+        """Insert one call (or check it equals the stored one). Returns (seq, inserted)."""
+        row = conn.execute(f"SELECT seq, {_CALL_CONTENT} FROM calls WHERE call_id = ?", (c.call_id,)).fetchone()
+        if row is not None:
+            stored = tuple(row)[1:]
+            if stored != c.content:
+                names = [n.strip() for n in _CALL_CONTENT.split(",")]
+                diff = [n for n, a, b in zip(names, stored, c.content) if a != b]
+                raise DataPoolConflictError(
+                    f"call {c.call_id} is already recorded with different {', '.join(diff)}: "
+                    "recorded calls are immutable (give the new call a new call_id)"
+                )
+            return int(row["seq"]), False
+        seq = conn.execute(
+            "SELECT COALESCE(MAX(seq) + 1, 0) FROM calls WHERE episode_id = ?", (c.episode_id,)
+        ).fetchone()[0]
+        conn.execute(
+            f"INSERT INTO calls ({_CALL_COLUMNS}) VALUES ({', '.join('?' * (2 + len(c.content)))})",
+            (c.call_id, seq, *c.content),
+        )
+        return int(seq), True
+
+    @staticmethod
+    def _refresh_versions(conn: sqlite3.Connection, episode_id: str) -> None:
+        conn.execute(
+            "UPDATE episodes SET "
+            "min_version = (SELECT MIN(min_version) FROM calls WHERE episode_id = ?1), "
+            "max_version = (SELECT MAX(max_version) FROM calls WHERE episode_id = ?1), "
+            "updated_at = ?2 WHERE episode_id = ?1",
+            (episode_id, time.time()),
+        )
+
+    # ------------------------------------------------------------------ reads
+
+    def get_call(self, call_id: str) -> Call | None:
+        def rd(conn: sqlite3.Connection) -> Call | None:
+            row = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (call_id,)).fetchone()
+            return None if row is None else _row_to_call(row)
+
+        return self._read(rd)
+
+    def calls(self, episode_id: str) -> list[Call]:
+        """The episode's calls in seq order ([] for an unknown episode)."""
+        return self._read(lambda conn: self._calls_of(conn, [episode_id]).get(episode_id, []))
+
+    def get_episode(self, episode_id: str, with_calls: bool = True) -> Episode | None:
+        def rd(conn: sqlite3.Connection) -> Episode | None:
+            row = conn.execute(
+                f"SELECT {_EPISODE_COLUMNS} FROM episodes WHERE episode_id = ?", (episode_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            calls = self._calls_of(conn, [episode_id]).get(episode_id, []) if with_calls else []
+            return _row_to_episode(row, calls)
+
+        return self._read(rd)
+
+    def episodes(
+        self,
+        *,
+        status: EpisodeStatus | str | Iterable[EpisodeStatus | str] | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        min_version: int | None = None,
+        max_version: int | None = None,
+        with_calls: bool = True,
+        limit: int | None = None,
+        order: str = "started_at",
+    ) -> list[Episode]:
+        """Episodes matching every given filter.
+
+        ``min_version=v`` keeps episodes whose every token has version >= v (the episode's
+        oldest token version is >= v); ``max_version=v`` keeps those whose newest token version
+        is <= v. Episodes without any generated token have no version and are left out by either
+        filter. ``order`` is a column among started_at, updated_at, finished_at, reward,
+        episode_id, min_version, max_version, prefixed with ``-`` for descending; ties go in
+        insertion order.
+        """
+        where, params = self._filters(status=status, group_id=group_id, task_id=task_id)
+        if min_version is not None:
+            where.append("min_version >= ?")
+            params.append(int(min_version))
+        if max_version is not None:
+            where.append("max_version <= ?")
+            params.append(int(max_version))
+        desc = order.startswith("-")
+        col = order[1:] if desc else order
+        if col not in _ORDERS:
+            raise InvalidRequestError(f"order must be one of {', '.join(_ORDERS)} (optionally '-' first), got {order!r}")
+        sql = f"SELECT {_EPISODE_COLUMNS} FROM episodes"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        direction = "DESC" if desc else "ASC"
+        sql += f" ORDER BY {col} {direction}, rowid {direction}"
+        if limit is not None:
+            if int(limit) < 0:
+                raise InvalidRequestError(f"limit must be >= 0, got {limit}")
+            sql += " LIMIT ?"
+            params.append(int(limit))
+
+        def rd(conn: sqlite3.Connection) -> list[Episode]:
+            rows = conn.execute(sql, params).fetchall()
+            by_ep = self._calls_of(conn, [r["episode_id"] for r in rows]) if with_calls and rows else {}
+            return [_row_to_episode(r, by_ep.get(r["episode_id"], [])) for r in rows]
+
+        return self._read(rd)
+
+    def count_episodes(self, status: EpisodeStatus | str | Iterable[EpisodeStatus | str] | None = None) -> int:
+        where, params = self._filters(status=status)
+        sql = "SELECT COUNT(*) FROM episodes" + (" WHERE " + " AND ".join(where) if where else "")
+        return int(self._read(lambda conn: conn.execute(sql, params).fetchone()[0]))
+
+    def group_ids(self, status: EpisodeStatus | str | Iterable[EpisodeStatus | str] | None = None) -> list[str]:
+        """Distinct non-empty group ids of the matching episodes, oldest group (first start) first."""
+        where, params = self._filters(status=status)
+        where.append("group_id != ''")
+        sql = (
+            "SELECT group_id FROM episodes WHERE " + " AND ".join(where)
+            + " GROUP BY group_id ORDER BY MIN(started_at), group_id"
+        )
+        return self._read(lambda conn: [r[0] for r in conn.execute(sql, params).fetchall()])
+
+    @staticmethod
+    def _filters(
+        *,
+        status: EpisodeStatus | str | Iterable[EpisodeStatus | str] | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+    ) -> tuple[list[str], list[Any]]:
+        where: list[str] = []
+        params: list[Any] = []
+        if status is not None:
+            if isinstance(status, (str, EpisodeStatus)):
+                statuses = [_status_value(status)]
+            else:
+                statuses = [_status_value(s) for s in status]
+            if not statuses:
+                where.append("0")
+            else:
+                where.append(f"status IN ({', '.join('?' * len(statuses))})")
+                params.extend(statuses)
+        if group_id is not None:
+            where.append("group_id = ?")
+            params.append(group_id)
+        if task_id is not None:
+            where.append("task_id = ?")
+            params.append(task_id)
+        return where, params
+
+    @staticmethod
+    def _calls_of(conn: sqlite3.Connection, episode_ids: Sequence[str]) -> dict[str, list[Call]]:
+        out: dict[str, list[Call]] = {}
+        for chunk in _chunks(list(dict.fromkeys(episode_ids)), _IN_CHUNK):
+            rows = conn.execute(
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE episode_id IN ({', '.join('?' * len(chunk))}) "
+                "ORDER BY episode_id, seq",
+                list(chunk),
+            ).fetchall()
+            for r in rows:
+                out.setdefault(r["episode_id"], []).append(_row_to_call(r))
+        return out

@@ -1,0 +1,57 @@
+"""Generate docs/knobs.md from the config models: ``python -m arborl.docs_knobs > docs/knobs.md``."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+from pydantic import BaseModel
+
+from arborl.config import Config
+
+
+def _type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " \\| ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
+    rows, subs = [], []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            subs.append((f"{prefix}{name}", ann))
+            continue
+        default = json.dumps(field.get_default(call_default_factory=True), default=str)
+        desc = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | {_type_name(ann)} | `{default}` | {desc} |")
+    if rows:
+        title = prefix.rstrip(".") or "top level"
+        doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ and model is not Config else ""
+        out += [f"## {title}", ""] + ([doc, ""] if doc else []) + [
+            "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+    for sub_prefix, sub in subs:
+        _section(sub, sub_prefix + ".", out)
+
+
+def render() -> str:
+    out = [
+        "# Configuration knobs",
+        "",
+        "Generated from `src/arborl/config.py` by `make knobs` (`python -m arborl.docs_knobs`); a test fails",
+        "when this file is stale. Set any knob in a YAML file or with `--set key.path=value`.",
+        "",
+    ]
+    _section(Config, "", out)
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

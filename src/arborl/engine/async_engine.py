@@ -1,0 +1,200 @@
+"""asyncio front of the engine: the model runs in one worker thread; callers await results.
+
+Every mutation of the engine (add, abort, weight update) is queued and applied by the worker thread
+between steps, so the core loop needs no locks. A cancelled ``generate`` aborts its request.
+A failing step fails only the requests that were in it; the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import logging
+
+import torch
+
+from arborl.engine.engine import LLMEngine
+from arborl.engine.sequence import Sequence
+from arborl.types import ArborlError, GenerateRequest, GenerateResult
+
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ArborlError, RuntimeError):
+    """The engine failed while serving a request (the request is lost, the engine is not)."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was shut down."""
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float
+    sample_logprob: float
+    version: int
+    index: int  # position in the completion
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"arborl-{engine.engine_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine.engine_id
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self) -> int:
+        """Requests in flight (waiting + running): what a router balances on."""
+        return len(self._futures)
+
+    # -- public API -------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        done, _ = await self._submit(request, stream=False)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | GenerateResult]:
+        """Yields a TokenEvent per generated token, then the final GenerateResult.
+        Closing the iterator early (client gone) aborts the request."""
+        done, queue = await self._submit(request, stream=True)
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                ready, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in ready:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                yield done.result()
+                return
+        finally:
+            if not done.done():
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._command(lambda: self.engine.abort(request_id))
+
+    async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
+        """Swap weights between two steps; returns seconds spent in the engine thread."""
+        return await self._call(lambda: self.engine.update_weights(state, version))
+
+    async def stats(self) -> dict:
+        return await self._call(self.engine.stats_dict)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    async def _submit(self, request: GenerateRequest, *, stream: bool):
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(seq: Sequence) -> None:
+            i = len(seq.output) - 1
+            ev = TokenEvent(seq.output[i], seq.logprobs[i], seq.sample_logprobs[i], seq.versions[i], i)
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        def add() -> None:
+            self.engine.add_request(request, on_token if stream else None)  # raises on invalid input
+            self._futures[request.request_id] = (loop, done)
+
+        await self._call(add)
+        return done, queue
+
+    def _command(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("engine is shut down")
+            self._commands.append(fn)
+            self._cond.notify_all()
+
+    async def _call(self, fn):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                value = fn()
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, value)
+
+        self._command(run)
+        return await fut
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._commands and not self.engine.has_work:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                commands, self._commands = self._commands, []
+            for fn in commands:
+                try:
+                    fn()
+                except Exception:  # a command reports its own errors (see _call); never kill the loop
+                    log.exception("engine command failed")
+            if not self.engine.has_work:
+                continue
+            try:
+                results = self.engine.step()
+            except Exception as e:  # fail what was in flight, keep serving
+                self._fail_in_flight(e)
+                continue
+            for res in results:
+                self._resolve(res.request_id, res, None)
+        self._fail_in_flight(EngineClosedError("engine is shut down"))
+
+    def _resolve(self, request_id: str, result: GenerateResult | None, error: Exception | None) -> None:
+        entry = self._futures.pop(request_id, None)
+        if entry is None:
+            return
+        loop, fut = entry
+        if error is None:
+            loop.call_soon_threadsafe(_set_result, fut, result)
+        else:
+            loop.call_soon_threadsafe(_set_exception, fut, error)
+
+    def _fail_in_flight(self, cause: Exception) -> None:
+        err = cause if isinstance(cause, EngineError) else EngineError(f"engine step failed: {cause!r}")
+        self.engine.drop_all()
+        for rid in list(self._futures):
+            self._resolve(rid, None, err)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,328 @@
+"""The engine loop (synchronous core): admit, prefill with prefix reuse, decode the running batch.
+
+Continuous batching: every ``step()`` admits waiting requests into free slots (highest priority
+first), prefills them -- skipping the longest prefix whose KV is cached -- and then decodes one
+token for every running sequence. Finished sequences leave at once and their KV goes to the prefix
+cache. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
+recomputed under the new weights, and every token is stamped with the version that produced it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from arborl.config import EngineConfig
+from arborl.engine.model_runner import ModelRunner
+from arborl.engine.prefix_cache import PrefixKVCache
+from arborl.engine.sampling import sample
+from arborl.engine.sequence import Sequence, SeqState
+from arborl.prefix import RadixTree
+from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose prefill was skipped
+    prefill_tokens: int = 0  # tokens actually run through prefill (incl. recompute after updates)
+    batch_size_sum: int = 0
+    max_batch_size: int = 0
+    finished: int = 0
+    aborted: int = 0
+    weight_updates: int = 0
+    busy_s: float = 0.0
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def as_dict(self, *, waiting: int, running: int, cached_tokens: int) -> dict:
+        return {
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
+            "mean_batch_size": self.batch_size_sum / self.decode_steps if self.decode_steps else 0.0,
+            "max_batch_size": self.max_batch_size,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "weight_updates": self.weight_updates,
+            "busy_s": self.busy_s,
+            "queue_length": waiting,
+            "running": running,
+            "prefix_cache_tokens": cached_tokens,
+        }
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        *,
+        eos_token_ids: list[int],
+        tokenizer=None,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.engine_id = config.engine_id
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.version = version
+        self.runner = ModelRunner(model, slots=config.max_batch_size, max_len=config.max_seq_len)
+        self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._arrivals = 0
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (−priority, arrival)
+        self._running: list[Sequence] = []  # index == slot
+        self._by_id: dict[str, Sequence] = {}
+        self._aborts: set[str] = set()
+        self.stats = EngineStats()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
+        request.validate(self.runner.vocab_size, self.config.max_seq_len)
+        if request.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if request.request_id in self._by_id:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        seq = Sequence(request=request, generator=gen, arrival=self._arrivals, on_token=on_token)
+        self._arrivals += 1
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self._by_id[request.request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request at the next step with what it has so far (finish_reason "abort")."""
+        if request_id in self._by_id:
+            self._aborts.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborts)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
+        """Load new weights (between steps). Returns the seconds it took, KV recompute included."""
+        t0 = time.perf_counter()
+        self.runner.load_weights(state)
+        self.version = version
+        self.prefix_cache.clear()  # cached KV belongs to the old policy
+        if self._running:
+            self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self._running])
+        self.stats.weight_updates += 1
+        return time.perf_counter() - t0
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[GenerateResult]:
+        t0 = time.perf_counter()
+        finished: list[Sequence] = []
+        self._apply_aborts(finished)
+        self._admit(finished)
+        if self._running:
+            self._decode(finished)
+        results = [self._finish(seq) for seq in finished]
+        self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - t0
+        return results
+
+    def run_until_done(self) -> list[GenerateResult]:
+        out: list[GenerateResult] = []
+        while self.has_work:
+            out.extend(self.step())
+        return out
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Blocking convenience: serve ``requests`` to completion, results in request order."""
+        for r in requests:
+            self.add_request(r)
+        done = {res.request_id: res for res in self.run_until_done()}
+        return [done[r.request_id] for r in requests]
+
+    def drop_all(self) -> None:
+        """Forget every request without serving it (after a failed step; their callers get an error)."""
+        self._waiting.clear()
+        self._running.clear()
+        self._by_id.clear()
+        self._aborts.clear()
+
+    def _apply_aborts(self, finished: list[Sequence]) -> None:
+        if not self._aborts:
+            return
+        ids, self._aborts = self._aborts, set()
+        kept = []
+        for key, seq in self._waiting:
+            if seq.request_id in ids:
+                seq.finish_reason = FinishReason.ABORT
+                finished.append(seq)
+            else:
+                kept.append((key, seq))
+        if len(kept) != len(self._waiting):
+            self._waiting = kept
+            heapq.heapify(self._waiting)
+        for seq in list(self._running):
+            if seq.request_id in ids:
+                seq.finish_reason = FinishReason.ABORT
+                self._release(seq)
+                finished.append(seq)
+
+    def _admit(self, finished: list[Sequence]) -> None:
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            wave = self._take_wave()
+            jobs = [(seq, seq.request.prompt_token_ids[seq.kv_len :], seq.kv_len) for seq in wave]
+            logits = self._prefill(jobs)
+            for seq in wave:
+                self.prefix_cache.insert(
+                    seq.request.prompt_token_ids, lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b)
+                )
+            self._sample_into(wave, logits, finished)
+
+    def _take_wave(self) -> list[Sequence]:
+        """Waiting sequences to prefill together, each in a new slot with its cached prefix copied in.
+        A prompt that shares enough uncached tokens with one already in the wave is deferred to the
+        next wave, which then finds that shared prefix in the cache (GRPO groups, shared system prompts)."""
+        min_share = self.config.inbatch_prefix_min_tokens
+        wave_prompts: RadixTree[None] = RadixTree()
+        wave: list[Sequence] = []
+        deferred: list[tuple[tuple[int, int], Sequence]] = []
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            key, seq = heapq.heappop(self._waiting)
+            prompt = seq.request.prompt_token_ids
+            # keep >= 1 prompt token to prefill: its logits give the first generated token
+            pieces = self.prefix_cache.lookup(prompt[:-1])
+            cached = pieces[-1][0] + pieces[-1][1].shape[3] if pieces else 0
+            if min_share and wave and wave_prompts.match_prefix(prompt[:-1]).length - cached >= min_share:
+                deferred.append((key, seq))
+                continue
+            wave_prompts.insert(prompt)
+            seq.scheduled_at = time.perf_counter()
+            seq.slot = len(self._running)
+            seq.state = SeqState.RUNNING
+            self._running.append(seq)
+            for pos, kv in pieces:
+                self.runner.kv.write(seq.slot, pos, kv)
+            seq.kv_len = seq.cached_prompt_tokens = cached
+            self.stats.prompt_tokens += len(prompt)
+            self.stats.cached_prompt_tokens += cached
+            wave.append(seq)
+        for item in deferred:
+            heapq.heappush(self._waiting, item)
+        return wave
+
+    def _prefill(self, jobs: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
+        """Run each job's tokens (from position ``start`` of its slot), packing several sequences per
+        forward and splitting long ones so no forward exceeds ``prefill_chunk_tokens``.
+        Returns the logits after each job's last token, in job order."""
+        budget = self.config.prefill_chunk_tokens
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        pending = [(i, seq, toks, start) for i, (seq, toks, start) in enumerate(jobs)]
+        while pending:
+            items, rows, rest, used = [], [], [], 0
+            for i, seq, toks, start in pending:
+                take = min(len(toks), budget - used)
+                if take <= 0:
+                    rest.append((i, seq, toks, start))
+                    continue
+                items.append((seq.slot, toks[:take], start))
+                rows.append(i if take == len(toks) else -1)
+                if take < len(toks):
+                    rest.append((i, seq, toks[take:], start + take))
+                used += take
+            logits = self.runner.prefill(items)
+            for row, i in enumerate(rows):
+                if i >= 0:
+                    out[i] = logits[row]
+            pending = rest
+        for seq, toks, start in jobs:
+            seq.kv_len = start + len(toks)
+            self.stats.prefill_tokens += len(toks)
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def _decode(self, finished: list[Sequence]) -> None:
+        batch = list(self._running)
+        logits = self.runner.decode([s.tokens[-1] for s in batch], [s.kv_len for s in batch])
+        for s in batch:
+            s.kv_len += 1
+        self.stats.decode_steps += 1
+        self.stats.batch_size_sum += len(batch)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
+        self._sample_into(batch, logits, finished)
+
+    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
+        out = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        for i, seq in enumerate(seqs):
+            tok = out.tokens[i]
+            seq.append(tok, out.logprobs[i], out.sample_logprobs[i], self.version)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(seq, tok)
+            if seq.on_token is not None:
+                seq.on_token(seq)
+            if reason is not None:
+                seq.finish_reason = reason
+                self._release(seq)
+                finished.append(seq)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.request.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and self._hit_stop_string(seq):
+            return FinishReason.STOP
+        if len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        stops = seq.request.params.stop
+        window = max(len(s) for s in stops) + 4  # tokens: every token decodes to >= 0 chars
+        tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running batch, cache its KV, compact the slots."""
+        if seq.kv_len > 0:
+            self.prefix_cache.insert(seq.tokens[: seq.kv_len], lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b))
+        last = self._running.pop()
+        if last is not seq:
+            self.runner.kv.move(last.slot, seq.slot, last.kv_len)
+            last.slot = seq.slot
+            self._running[seq.slot] = last
+        seq.slot = -1
+        seq.state = SeqState.FINISHED
+
+    def _finish(self, seq: Sequence) -> GenerateResult:
+        seq.finished_at = time.perf_counter()
+        seq.state = SeqState.FINISHED
+        self._by_id.pop(seq.request_id, None)
+        self.stats.finished += 1
+        if seq.finish_reason == FinishReason.ABORT:
+            self.stats.aborted += 1
+        return seq.result(self.engine_id)
+
+    def stats_dict(self) -> dict:
+        return self.stats.as_dict(
+            waiting=len(self._waiting), running=len(self._running), cached_tokens=self.prefix_cache.cached_tokens
+        )

@@ -1,0 +1,307 @@
+"""The built-in engine against a plain transformers forward on the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from arborl.config import EngineConfig
+from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
+from arborl.models import tiny_llama
+from arborl.types import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
+
+VOCAB = 512
+EOS = VOCAB - 1
+
+
+def make_model(seed: int = 0):
+    return tiny_llama(layers=2, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=seed)
+
+
+def make_engine(model=None, **cfg) -> LLMEngine:
+    cfg.setdefault("max_seq_len", 256)
+    cfg.setdefault("max_batch_size", 8)
+    return LLMEngine(model if model is not None else make_model(), EngineConfig(**cfg), eos_token_ids=[EOS])
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt_ids: list[int], output: list[int]) -> torch.Tensor:
+    """log p(output[i] | prompt + output[:i]) from one plain HF forward, temperature 1."""
+    ids = torch.tensor([prompt_ids + output])
+    logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    pos = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(output) - 1)
+    return logp[pos, torch.tensor(output)]
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_matches_reference(model, res, atol=1e-4):
+    ref = reference_logprobs(model, res.prompt_token_ids, res.token_ids)
+    assert torch.allclose(torch.tensor(res.logprobs), ref, atol=atol), (res.logprobs, ref.tolist())
+    # greedy: every token is the argmax of the reference distribution
+    ids = torch.tensor([res.prompt_token_ids + res.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    n = len(res.prompt_token_ids)
+    expect = logits[n - 1 : n - 1 + len(res.token_ids)].argmax(-1).tolist()
+    assert res.token_ids == expect
+
+
+def test_greedy_batch_equals_transformers_forward():
+    model = make_model()
+    eng = make_engine(model)
+    reqs = [GenerateRequest(prompt(i, n), greedy(10 + i)) for i, n in enumerate([5, 17, 33, 9, 60])]
+    results = eng.generate(reqs)
+    for req, res in zip(reqs, results):
+        assert len(res.token_ids) == req.params.max_tokens
+        assert res.finish_reason == FinishReason.LENGTH
+        assert res.versions == [0] * len(res.token_ids)
+        assert res.sample_logprobs == [0.0] * len(res.token_ids)
+        assert_matches_reference(model, res)
+    assert eng.stats.max_batch_size == 5
+
+
+def test_prefix_cache_hit_is_exact():
+    model = make_model()
+    eng = make_engine(model)
+    shared = prompt(1, 40)
+    first = eng.generate([GenerateRequest(shared + [3, 4], greedy(8))])[0]
+    assert first.cached_prompt_tokens == 0
+    # second turn extends the first call's prompt + completion: nearly all of it is cached
+    turn2 = first.prompt_token_ids + first.token_ids + [7, 8, 9]
+    second = eng.generate([GenerateRequest(turn2, greedy(8))])[0]
+    assert second.cached_prompt_tokens >= len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert_matches_reference(model, second)
+    # a sibling sharing only the 40-token prefix reuses exactly that
+    third = eng.generate([GenerateRequest(shared + [11, 12], greedy(8))])[0]
+    assert third.cached_prompt_tokens == 40
+    assert_matches_reference(model, third)
+    assert 0 < eng.stats_dict()["cache_hit_rate"] < 1
+
+
+def test_prefix_cache_respects_budget_and_can_be_off():
+    eng = make_engine(prefix_cache_tokens=50)
+    for i in range(6):
+        eng.generate([GenerateRequest(prompt(100 + i, 30), greedy(5))])
+    assert eng.prefix_cache.cached_tokens <= 50
+    off = make_engine(prefix_cache=False)
+    p = prompt(7, 30)
+    off.generate([GenerateRequest(p, greedy(3))])
+    assert off.generate([GenerateRequest(p, greedy(3))])[0].cached_prompt_tokens == 0
+
+
+def test_weight_update_mid_request_stamps_versions_and_matches_new_policy():
+    old = make_model(seed=0)
+    new = make_model(seed=1)
+    eng = make_engine(make_model(seed=0))
+    req = GenerateRequest(prompt(3, 20), greedy(12))
+    eng.add_request(req)
+    for _ in range(3):
+        assert not eng.step()
+    before = len(eng._by_id[req.request_id].output)  # tokens made by version 0
+    assert 0 < before < 12
+    eng.update_weights(new.state_dict(), version=1)
+    res = eng.run_until_done()[0]
+    assert res.versions == [0] * before + [1] * (12 - before)
+    full = res.prompt_token_ids + res.token_ids
+    ref_old = reference_logprobs(old, res.prompt_token_ids, res.token_ids[:before])
+    ref_new = reference_logprobs(new, full[: len(res.prompt_token_ids) + before], res.token_ids[before:])
+    got = torch.tensor(res.logprobs)
+    assert torch.allclose(got[:before], ref_old, atol=1e-4)
+    assert torch.allclose(got[before:], ref_new, atol=1e-4)
+    assert eng.prefix_cache.cached_tokens > 0  # refilled under the new policy only
+    again = eng.generate([GenerateRequest(full[:30], greedy(4))])[0]
+    assert_matches_reference(new, again)
+
+
+def test_continuous_batching_admits_into_running_batch():
+    eng = make_engine(max_batch_size=2)
+    a = eng.add_request(GenerateRequest(prompt(1, 8), greedy(3)))
+    b = eng.add_request(GenerateRequest(prompt(2, 8), greedy(20)))
+    c = eng.add_request(GenerateRequest(prompt(3, 8), greedy(5)))
+    eng.step()
+    assert eng.num_running == 2 and eng.num_waiting == 1
+    done = []
+    while a.request_id not in done:
+        done += [r.request_id for r in eng.step()]
+    assert c.state.value == "waiting"
+    done += [r.request_id for r in eng.step()]
+    assert c.state.value != "waiting"  # admitted into the running batch at the very next step
+    assert eng.num_running == 2 or c.request_id in done
+    while eng.has_work:
+        done += [r.request_id for r in eng.step()]
+    assert done.index(a.request_id) < done.index(c.request_id) < done.index(b.request_id)
+    assert eng.stats.max_batch_size == 2
+
+
+def test_priority_runs_first():
+    eng = make_engine(max_batch_size=1)
+    low = GenerateRequest(prompt(1, 5), greedy(2))
+    high = GenerateRequest(prompt(2, 5), greedy(2), priority=5)
+    eng.add_request(low)
+    eng.add_request(high)
+    order = [r.request_id for r in eng.run_until_done()]
+    assert order == [high.request_id, low.request_id]
+
+
+def test_stops_and_limits():
+    model = make_model()
+    eng = make_engine(model)
+    base = eng.generate([GenerateRequest(prompt(5, 10), greedy(10))])[0]
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    r = eng.generate([GenerateRequest(prompt(5, 10), greedy(10, stop_token_ids=[stop_tok]))])[0]
+    assert r.finish_reason == FinishReason.STOP and r.token_ids == base.token_ids[: first + 1]
+    # EOS stops unless ignore_eos
+    eos_eng = LLMEngine(model, EngineConfig(max_seq_len=256), eos_token_ids=[stop_tok])
+    r = eos_eng.generate([GenerateRequest(prompt(5, 10), SamplingParams(temperature=0, max_tokens=10))])[0]
+    assert r.finish_reason == FinishReason.STOP and len(r.token_ids) == first + 1
+    r = eos_eng.generate([GenerateRequest(prompt(5, 10), greedy(10))])[0]
+    assert r.token_ids == base.token_ids
+    # context limit
+    small = make_engine(model, max_seq_len=16)
+    r = small.generate([GenerateRequest(prompt(5, 10), greedy(50))])[0]
+    assert r.finish_reason == FinishReason.LENGTH and len(r.prompt_token_ids) + len(r.token_ids) == 16
+
+
+def test_abort_returns_partial_output():
+    eng = make_engine()
+    req = GenerateRequest(prompt(1, 8), greedy(100))
+    waiting = GenerateRequest(prompt(2, 8), greedy(100))
+    eng.add_request(req)
+    eng.step()
+    eng.step()
+    eng.abort(req.request_id)
+    eng.add_request(waiting)
+    eng.abort(waiting.request_id)
+    res = {r.request_id: r for r in eng.step()}
+    assert res[req.request_id].finish_reason == FinishReason.ABORT
+    assert 0 < len(res[req.request_id].token_ids) < 100
+    assert res[waiting.request_id].finish_reason == FinishReason.ABORT
+    assert not eng.has_work and eng.stats.aborted == 2
+
+
+def test_sampling_seed_is_independent_of_batch():
+    eng = make_engine()
+    p = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True, seed=123)
+    alone = eng.generate([GenerateRequest(prompt(1, 12), p)])[0]
+    others = [GenerateRequest(prompt(9 + i, 7), SamplingParams(temperature=0.7, max_tokens=9)) for i in range(3)]
+    crowd = eng.generate(others + [GenerateRequest(prompt(1, 12), p)])[-1]
+    assert alone.token_ids == crowd.token_ids
+    # temperature 1 without truncation: the sampling distribution is the raw policy
+    assert torch.allclose(torch.tensor(alone.sample_logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+
+
+def test_temperature_and_truncation_logprobs():
+    model = make_model()
+    eng = make_engine(model)
+    p = prompt(4, 10)
+    r = eng.generate([GenerateRequest(p, SamplingParams(temperature=0.5, top_k=5, max_tokens=8, seed=1, ignore_eos=True))])[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1]
+    top5 = torch.topk(logits, 5, dim=-1).indices
+    for i, tok in enumerate(r.token_ids):
+        assert tok in top5[i].tolist()
+        scaled = logits[i] / 0.5
+        kept = torch.full_like(scaled, float("-inf"))
+        kept[top5[i]] = scaled[top5[i]]
+        assert abs(torch.log_softmax(kept, -1)[tok].item() - r.sample_logprobs[i]) < 1e-4
+    assert_close = torch.allclose(torch.tensor(r.logprobs), reference_logprobs(model, p, r.token_ids), atol=1e-4)
+    assert assert_close
+    top1 = eng.generate([GenerateRequest(p, SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True))])[0]
+    assert top1.token_ids == eng.generate([GenerateRequest(p, greedy(8))])[0].token_ids
+    assert top1.sample_logprobs == pytest.approx([0.0] * 8, abs=1e-6)
+    nucleus = eng.generate([GenerateRequest(p, SamplingParams(top_p=0.3, max_tokens=8, seed=2, ignore_eos=True))])[0]
+    assert all(lp <= 0.0 for lp in nucleus.sample_logprobs)
+
+
+@pytest.mark.parametrize(
+    "req, msg",
+    [
+        (GenerateRequest([], greedy()), "empty"),
+        (GenerateRequest([VOCAB + 3], greedy()), "outside"),
+        (GenerateRequest(list(range(300)), greedy()), "context"),
+        (GenerateRequest([1, 2], SamplingParams(temperature=-1)), "temperature"),
+        (GenerateRequest([1, 2], SamplingParams(top_p=0)), "top_p"),
+        (GenerateRequest([1, 2], SamplingParams(max_tokens=0)), "max_tokens"),
+        (GenerateRequest([1, 2], SamplingParams(stop=["x"])), "tokenizer"),
+    ],
+)
+def test_invalid_requests_are_rejected(req, msg):
+    eng = make_engine()
+    with pytest.raises(InvalidRequestError, match=msg):
+        eng.add_request(req)
+    assert not eng.has_work
+
+
+def test_async_engine_concurrent_stream_cancel_and_update():
+    model = make_model()
+
+    async def main():
+        aeng = AsyncEngine(make_engine(model))
+        try:
+            reqs = [GenerateRequest(prompt(i, 6 + i), greedy(6)) for i in range(4)]
+            results = await asyncio.gather(*(aeng.generate(r) for r in reqs))
+            for r in results:
+                assert_matches_reference(model, r)
+            events = [ev async for ev in aeng.stream(GenerateRequest(reqs[1].prompt_token_ids, greedy(5)))]
+            assert [type(e) for e in events[:-1]] == [TokenEvent] * 5
+            assert [e.token_id for e in events[:-1]] == events[-1].token_ids == results[1].token_ids[:5]
+            with pytest.raises(InvalidRequestError):
+                await aeng.generate(GenerateRequest([], greedy()))
+            long = GenerateRequest(prompt(2, 6), greedy(200))
+            task = asyncio.ensure_future(aeng.generate(long))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats = await aeng.stats()
+            for _ in range(100):
+                if stats["running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+                stats = await aeng.stats()
+            assert stats["running"] == 0 and stats["aborted"] >= 1
+            secs = await aeng.update_weights(make_model(seed=3).state_dict(), 7)
+            assert secs >= 0 and aeng.version == 7
+            after = await aeng.generate(GenerateRequest(prompt(1, 6), greedy(3)))
+            assert after.versions == [7, 7, 7]
+        finally:
+            aeng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_weight_update_is_rejected_and_engine_keeps_serving():
+    eng = make_engine()
+    with pytest.raises(Exception, match="unknown parameter"):
+        eng.update_weights({"nope.weight": torch.zeros(1)}, 1)
+    with pytest.raises(Exception, match="shape"):
+        eng.update_weights({"lm_head.weight": torch.zeros(3, 3)}, 1)
+    assert eng.version == 0
+    assert eng.generate([GenerateRequest(prompt(1, 5), greedy(2))])[0].versions == [0, 0]
+
+
+def test_group_prompts_prefill_once_and_long_prompts_split_across_forwards():
+    model = make_model()
+    eng = make_engine(model, prefill_chunk_tokens=16, max_batch_size=16)
+    group = prompt(21, 40)
+    others = [prompt(30 + i, 10 + 7 * i) for i in range(3)]  # 10, 17, 24 tokens: split over forwards
+    reqs = [GenerateRequest(group, greedy(5)) for _ in range(8)] + [GenerateRequest(p, greedy(5)) for p in others]
+    results = eng.generate(reqs)
+    cached = sorted(r.cached_prompt_tokens for r in results[:8])
+    assert cached == [0] + [39] * 7  # one member prefills, the group reuses it in the same step
+    assert len({tuple(r.token_ids) for r in results[:8]}) == 1
+    for r in results[7:]:
+        assert_matches_reference(model, r)
+    no_defer = make_engine(model, inbatch_prefix_min_tokens=0)
+    assert sum(r.cached_prompt_tokens for r in no_defer.generate(reqs[:8])) == 0
