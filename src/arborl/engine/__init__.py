@@ -2,6 +2,6 @@
 
 from arborl.engine.async_engine import AsyncEngine, EngineClosedError, EngineError, TokenEvent
 from arborl.engine.engine import LLMEngine
-from arborl.engine.model_runner import UnsupportedModelError
+from arborl.models.forward import UnsupportedModelError
 
 __all__ = ["AsyncEngine", "EngineClosedError", "EngineError", "LLMEngine", "TokenEvent", "UnsupportedModelError"]

@@ -1,0 +1,102 @@
+"""The one decoder forward arborl runs, for inference and for training.
+
+It drives a Hugging Face decoder's own modules (Llama / Qwen2 / Qwen3 / Mistral layout:
+embeddings, norms, q/k/v/o projections, MLPs, rotary embedding, LM head) and leaves only attention
+to the caller, through ``make_attend(layer) -> attend(q, k, v)``: the engine attends over its KV
+slots, tree packing attends under an ancestor mask. Sharing this code keeps the trainer's and the
+engine's numbers the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from arborl.types import ArborlError
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [b, h, s, d] -> [b, hq, s, d]
+
+
+class UnsupportedModelError(ArborlError):
+    """The model's architecture is not one arborl's forward can run."""
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    vocab_size: int
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads != self.num_heads
+
+    @classmethod
+    def of(cls, model: nn.Module, max_len: int | None = None) -> "DecoderShape":
+        cfg = model.config
+        decoder = getattr(model, "model", None)
+        if decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: expected a causal LM with .model.layers and .lm_head (Llama/Qwen2 layout)"
+            )
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) and max_len and window < max_len:
+            raise UnsupportedModelError(
+                f"sliding-window attention ({window} tokens) is not supported; keep sequences <= {window} tokens"
+            )
+        attn = decoder.layers[0].self_attn
+        heads = cfg.num_attention_heads
+        return cls(
+            layers=len(decoder.layers),
+            num_heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=attn.head_dim,
+            scaling=attn.scaling,
+            vocab_size=model.get_input_embeddings().weight.shape[0],
+        )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def decoder_hidden(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, make_attend: Callable[[int], Attend]
+) -> torch.Tensor:
+    """Decoder layers over ``input_ids`` [b, s] at ``position_ids`` [b, s]; returns hidden states
+    [b, s, hidden] before the final norm."""
+    decoder = model.model
+    h = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.rotary_emb(h, position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    b, s, _ = h.shape
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(b, s, -1, attn.head_dim)
+        k = attn.k_proj(x).view(b, s, -1, attn.head_dim)
+        v = attn.v_proj(x).view(b, s, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rope(q.transpose(1, 2), cos, sin)
+        k = _rope(k.transpose(1, 2), cos, sin)
+        out = make_attend(i)(q, k, v.transpose(1, 2))
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h
+
+
+def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm + LM head."""
+    return model.lm_head(model.model.norm(hidden))
