@@ -305,3 +305,15 @@ def test_group_prompts_prefill_once_and_long_prompts_split_across_forwards():
         assert_matches_reference(model, r)
     no_defer = make_engine(model, inbatch_prefix_min_tokens=0)
     assert sum(r.cached_prompt_tokens for r in no_defer.generate(reqs[:8])) == 0
+
+
+def test_kv_capacity_grows_past_its_first_allocation():
+    model = make_model()
+    eng = make_engine(model, max_seq_len=1024)
+    start_capacity = eng.runner.kv.capacity
+    short = GenerateRequest(prompt(40, 20), greedy(4))
+    long = GenerateRequest(prompt(41, start_capacity - 3), greedy(10))  # decodes across the boundary
+    results = eng.generate([short, long])
+    assert eng.runner.kv.capacity > start_capacity
+    for r in results:
+        assert_matches_reference(model, r)

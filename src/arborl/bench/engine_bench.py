@@ -65,16 +65,24 @@ def _engine(loaded: LoadedModel, *, prefix_cache: bool = True, batch: int = 32) 
     return LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
 
 
-def _run_engine(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int):
+def _run_engine(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, fixed: bool):
     eng = _engine(loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=fixed)
     t0 = time.perf_counter()
     results = eng.generate([GenerateRequest(p, params) for p in prompts])
-    return time.perf_counter() - t0, results
+    return time.perf_counter() - t0, [r.token_ids for r in results], results
+
+
+def _useful(tokens: list[int], eos: set[int]) -> list[int]:
+    """A completion up to and including its first EOS (what a caller receives)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
 
 
 @torch.inference_mode()
-def _run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int):
+def _run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, fixed: bool):
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else loaded.eos_token_ids[0]
     width = max(len(p) for p in prompts)
@@ -85,11 +93,13 @@ def _run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int):
         input_ids=ids,
         attention_mask=mask,
         max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
+        min_new_tokens=new_tokens if fixed else 0,
         do_sample=False,
         pad_token_id=pad,
     )
-    return time.perf_counter() - t0, out[:, width:].tolist()
+    wall = time.perf_counter() - t0
+    rows = out[:, width:].tolist()
+    return wall, rows if fixed else [_useful(r, set(loaded.eos_token_ids)) for r in rows], None
 
 
 @torch.inference_mode()
@@ -133,19 +143,28 @@ def run(quick: bool, console: Console) -> dict:
     reps = 1 if quick else 2
     prompts = _prompts(loaded, n_prompts)
 
-    _run_engine(loaded, prompts[:2], 2)  # warm-up (allocator, kernels)
-    eng_s, hf_s = [], []
-    results = hf_tokens = None
-    for rep in range(reps):  # A B A B
-        s, results = _run_engine(loaded, prompts, new_tokens)
-        eng_s.append(s)
-        console.print(f"  rep {rep}: engine {s:.2f}s")
-        s, hf_tokens = _run_hf(loaded, prompts, new_tokens)
-        hf_s.append(s)
-        console.print(f"  rep {rep}: transformers generate {s:.2f}s")
-    total = n_prompts * new_tokens
-    eng_tps, hf_tps = total / min(eng_s), total / min(hf_s)
-    agree = sum(r.token_ids == h for r, h in zip(results, hf_tokens)) / n_prompts
+    _run_engine(loaded, prompts[:2], 2, True)  # warm-up (allocator, kernels)
+    figures = {}
+    results = None
+    for label, fixed, cap in (("fixed", True, new_tokens), ("natural", False, 96 if quick else 128)):
+        eng_s, hf_s = [], []
+        for rep in range(reps):  # A B A B
+            s, eng_tokens, res = _run_engine(loaded, prompts, cap, fixed)
+            results = results or res
+            eng_s.append(s)
+            s, hf_tokens, _ = _run_hf(loaded, prompts, cap, fixed)
+            hf_s.append(s)
+            console.print(f"  {label} lengths, rep {rep}: engine {eng_s[-1]:.2f}s, transformers generate {s:.2f}s")
+        eng_tps = sum(map(len, eng_tokens)) / min(eng_s)
+        hf_tps = sum(map(len, hf_tokens)) / min(hf_s)
+        figures[label] = dict(
+            engine_tps=eng_tps,
+            hf_tps=hf_tps,
+            ratio=eng_tps / hf_tps,
+            agree=sum(a == b for a, b in zip(eng_tokens, hf_tokens)) / n_prompts,
+            mean_len=sum(map(len, eng_tokens)) / n_prompts,
+            max_len=max(map(len, eng_tokens)),
+        )
     diff = _logprob_diff(loaded, results[: (4 if quick else 8)])
 
     mt = dict(sessions=8, turns=4, new_tokens=(16 if quick else 24))
@@ -155,11 +174,16 @@ def run(quick: bool, console: Console) -> dict:
     table = Table(title="arborl bench engine (SmolLM2-135M-Instruct, CPU)")
     for col in ("figure", "value"):
         table.add_column(col)
-    rows = [
-        ("engine tokens/s", f"{eng_tps:.1f}"),
-        ("transformers generate tokens/s", f"{hf_tps:.1f}"),
-        ("engine / transformers", f"{eng_tps / hf_tps:.2f}x"),
-        ("greedy sequences identical to HF generate", f"{agree:.2f}"),
+    rows = []
+    for label, f in figures.items():
+        rows += [
+            (f"{label} lengths: mean / max new tokens", f"{f['mean_len']:.1f} / {f['max_len']}"),
+            (f"{label} lengths: engine tokens/s", f"{f['engine_tps']:.1f}"),
+            (f"{label} lengths: transformers generate tokens/s", f"{f['hf_tps']:.1f}"),
+            (f"{label} lengths: engine / transformers", f"{f['ratio']:.2f}x"),
+            (f"{label} lengths: greedy sequences identical to HF", f"{f['agree']:.2f}"),
+        ]
+    rows += [
         ("max |logprob - HF forward|", f"{diff:.2e}"),
         ("multi-turn prompt tokens", str(prompt_tokens)),
         ("multi-turn prefill skipped", f"{skipped:.3f}"),
@@ -173,10 +197,14 @@ def run(quick: bool, console: Console) -> dict:
         "quick": quick,
         "prompts": n_prompts,
         "new_tokens": new_tokens,
-        "engine_tokens_per_s": round(eng_tps, 2),
-        "hf_tokens_per_s": round(hf_tps, 2),
-        "engine_vs_hf_tokens_per_s": round(eng_tps / hf_tps, 3),
-        "greedy_agreement_with_hf_generate": agree,
+        # headline: natural lengths (each request stops at EOS or the cap), the rollout case
+        "engine_vs_hf_tokens_per_s": round(figures["natural"]["ratio"], 3),
+        "engine_vs_hf_tokens_per_s_fixed_len": round(figures["fixed"]["ratio"], 3),
+        "engine_tokens_per_s": round(figures["natural"]["engine_tps"], 2),
+        "hf_tokens_per_s": round(figures["natural"]["hf_tps"], 2),
+        "engine_tokens_per_s_fixed_len": round(figures["fixed"]["engine_tps"], 2),
+        "hf_tokens_per_s_fixed_len": round(figures["fixed"]["hf_tps"], 2),
+        "greedy_agreement_with_hf_generate": figures["natural"]["agree"],
         "logprob_max_abs_diff": diff,
         "prefill_skipped_frac": round(skipped, 4),
         "multiturn_speedup": round(off_s / on_s, 3),

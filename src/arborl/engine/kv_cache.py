@@ -1,8 +1,11 @@
 """The KV memory of running sequences: one preallocated tensor, one row ("slot") per sequence.
 
-Layout ``[layers, 2 (k, v), slots, kv_heads, max_len, head_dim]``. Running sequences occupy slots
+Layout ``[layers, 2 (k, v), slots, kv_heads, capacity, head_dim]``. Running sequences occupy slots
 ``0..n-1`` contiguously, so a decode step attends over the view ``[:, :, :n, :, :L]`` without
 gathering; when a sequence leaves, the last one is moved into its slot (one copy of one sequence).
+The capacity grows (doubling, up to ``max_len``) as sequences get longer, so short workloads never
+pay for zeroing the full context. Memory is zeroed because masked-out positions still enter the
+attention kernel, and garbage there could be NaN.
 """
 
 from __future__ import annotations
@@ -24,7 +27,23 @@ class SlotKVCache:
     ) -> None:
         self.max_len = max_len
         self.slots = slots
-        self.data = torch.zeros(layers, 2, slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.data = torch.zeros(layers, 2, slots, kv_heads, min(256, max_len), head_dim, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
+
+    def ensure(self, length: int) -> None:
+        """Make room for positions [0, length) in every slot."""
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"KV length {length} exceeds max_len {self.max_len}")
+        shape = list(self.data.shape)
+        shape[4] = min(self.max_len, max(length, 2 * self.capacity))
+        grown = torch.zeros(shape, dtype=self.data.dtype, device=self.data.device)
+        grown[:, :, :, :, : self.capacity] = self.data
+        self.data = grown
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[layer, 0], self.data[layer, 1]
@@ -34,6 +53,7 @@ class SlotKVCache:
         return self.data[:, :, slot, :, start:end].clone()
 
     def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        self.ensure(start + kv.shape[3])
         self.data[:, :, slot, :, start : start + kv.shape[3]] = kv
 
     def move(self, src: int, dst: int, length: int) -> None:

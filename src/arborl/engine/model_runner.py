@@ -53,6 +53,7 @@ class ModelRunner:
             offset += n
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0)
+        self.kv.ensure(max(end for _, _, end, _ in spans))
 
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
@@ -89,6 +90,7 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, device=self.device)
         length = int(max(positions)) + 1
+        self.kv.ensure(length)
         rows = torch.arange(n, device=self.device)
         mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
 
