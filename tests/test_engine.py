@@ -317,3 +317,13 @@ def test_kv_capacity_grows_past_its_first_allocation():
     assert eng.runner.kv.capacity > start_capacity
     for r in results:
         assert_matches_reference(model, r)
+
+
+def test_slot_compaction_after_kv_growth():
+    """A sequence leaving after the KV grew moves the last slot into its place (regression)."""
+    model = make_model()
+    eng = make_engine(model, max_seq_len=1024)
+    cap = eng.runner.kv.capacity
+    reqs = [GenerateRequest(prompt(50, cap + 5), greedy(2)), GenerateRequest(prompt(51, 12), greedy(9))]
+    for r in eng.generate(reqs):
+        assert_matches_reference(model, r)

@@ -132,11 +132,13 @@ class LLMEngine:
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
         if self._running:
-            self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self._running])
+            with torch.inference_mode():
+                self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self._running])
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
     # -- the loop ---------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[GenerateResult]:
         t0 = time.perf_counter()
         finished: list[Sequence] = []
