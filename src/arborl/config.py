@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from arborl.types import ArborlError
 
@@ -80,6 +80,143 @@ class DataPoolConfig(Section):
     busy_timeout_s: float = Field(30.0, gt=0, description="how long a writer waits for a lock (seconds)")
 
 
+class GatewayConfig(Section):
+    """The OpenAI-compatible gateway: sessions, call recording, routing over engines, `arborl serve`."""
+
+    host: str = Field("127.0.0.1", description="address `arborl serve` binds (0.0.0.0 exposes it to the network)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port of `arborl serve` (0 = any free port)")
+    admin_key: str | None = Field(
+        None,
+        description="key that may create sessions (POST /v1/sessions); the ARBORL_ADMIN_KEY environment "
+        "variable overrides it; neither set: a random key is generated and printed at start",
+    )
+    num_engines: int = Field(1, ge=1, description="engine replicas behind one gateway, each with its own copy of the weights")
+    model_name: str | None = Field(
+        None, description="model id listed by /v1/models and accepted in requests (None = the loaded model's name)"
+    )
+    stitching: bool = Field(
+        True,
+        description="default of new sessions: a chat request extending an earlier call reuses that call's exact "
+        "prompt + completion token ids and renders only the new messages (sessions may switch it off)",
+    )
+    tool_prompt: Literal["auto", "native", "prompt"] = Field(
+        "auto",
+        description="how `tools` reach the model: native = the chat template's own tool support; prompt = the "
+        "gateway writes the tool schemas and the <tool_call>{json}</tool_call> convention into the system "
+        "message; auto = native when the template reads `tools`, else prompt",
+    )
+    default_max_tokens: int = Field(
+        1024, ge=1, description="completion tokens of a chat request that gives no max_tokens (completions: 16, as OpenAI)"
+    )
+    max_n: int = Field(16, ge=1, description="most choices (`n`) one request may ask for")
+    affinity_max_load: int = Field(
+        8,
+        ge=1,
+        description="requests in flight on a session's engine at or above which the session's next call moves to "
+        "the least-loaded engine (session affinity keeps the prefix cache warm until then)",
+    )
+    unsupported_params: Literal["reject", "ignore"] = Field(
+        "reject",
+        description="OpenAI parameters the engine cannot honour (penalties, logit_bias, top_logprobs > 0, echo, "
+        "forced tool_choice, ...): reject = 400 naming them, ignore = serve without them",
+    )
+
+
+class AdvantageConfig(Section):
+    """Advantage estimation from rewards (rewards/advantages.py): GRPO, Dr.GRPO, reward-to-go (C3)."""
+
+    estimator: Literal["grpo", "reward_to_go"] = Field(
+        "grpo",
+        description="grpo: outcome reward minus the group mean, one value per sample; reward_to_go: per-turn "
+        "returns (reward from the turn to the episode's end) minus the group mean, one value per turn/chunk (C3, C4)",
+    )
+    std_normalize: bool = Field(
+        True,
+        description="divide by the group's reward std (population std + eps); false with "
+        "train.loss.aggregation=constant is Dr.GRPO",
+    )
+    eps: float = Field(1e-6, gt=0, description="added to the group std before dividing (reward units)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per turn of reward_to_go (1 = undiscounted)")
+    drop_zero_variance: bool = Field(
+        True, description="drop groups whose rewards are all equal (no learning signal); they are counted"
+    )
+    zero_variance_tol: float = Field(
+        0.0, ge=0, description="a group whose max - min reward is <= this counts as zero-variance (reward units)"
+    )
+
+
+class LossConfig(Section):
+    """The policy-gradient loss (train/losses.py); field names are policy_loss's keyword arguments."""
+
+    kind: Literal["ppo", "cispo"] = Field(
+        "ppo",
+        description="ppo: token-level PPO-clip; cispo: MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob",
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO: ratio lower clip 1 - clip_low (ratio units)")
+    clip_high: float = Field(
+        0.28, ge=0, description="PPO: ratio upper clip 1 + clip_high (ratio units; > clip_low is DAPO's clip-higher)"
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="PPO dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c|A| (None = off)"
+    )
+    cispo_eps_high: float = Field(
+        0.28, ge=0, description="CISPO: the IS weight is clipped at 1 + cispo_eps_high (ratio units)"
+    )
+    cispo_eps_low: float | None = Field(
+        None, ge=0, lt=1, description="CISPO: lower clip 1 - cispo_eps_low of the IS weight (None = no lower bound, as MiniMax)"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (0 = off, no reference model)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="per-token estimator of KL(policy || reference): k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r"
+    )
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus subtracted from the loss (nats; 0 = off)")
+    aggregation: Literal["token_mean", "seq_mean", "constant"] = Field(
+        "token_mean",
+        description="token_mean: sum / tokens in batch; seq_mean: mean per sample, then over samples; "
+        "constant: sum / (samples x constant_normalizer) (Dr.GRPO)",
+    )
+    constant_normalizer: int | None = Field(
+        None, ge=1, description="L of aggregation=constant (tokens; None = the batch's padded length)"
+    )
+
+
+class CorrectionConfig(Section):
+    """Training-inference mismatch correction (train/corrections.py, S3); mismatch metrics are always logged."""
+
+    mode: Literal["none", "tis", "mis", "icepop"] = Field(
+        "none",
+        description="none: weight 1; tis: min(ratio, tis_cap); mis: ratio inside [mask_low, mask_high] else 0; "
+        "icepop: mis at token level",
+    )
+    level: Literal["token", "sequence", "geometric", "chunk"] = Field(
+        "token",
+        description="unit sharing one ratio: token; sequence (product of token ratios); geometric (their geometric "
+        "mean per sample); chunk (geometric mean per span between env interactions, C4)",
+    )
+    tis_cap: float = Field(2.0, gt=0, description="TIS truncation C of the ratio pi_train / pi_rollout (ratio units)")
+    mask_low: float = Field(0.5, ge=0, description="MIS/IcePop: ratios below this get weight 0 (ratio units)")
+    mask_high: float = Field(5.0, gt=0, description="MIS/IcePop: ratios above this get weight 0 (ratio units)")
+    veto: float | None = Field(
+        None, gt=0, description="a sample holding any token ratio below this gets weight 0 (ratio units; None = off)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CorrectionConfig":
+        if self.mode == "icepop" and self.level != "token":
+            raise ValueError("mode icepop is token-level: set level=token, or use mode=mis for other levels")
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"mask_low ({self.mask_low}) must be below mask_high ({self.mask_high})")
+        return self
+
+
+class TrainConfig(Section):
+    """Policy optimisation: advantages, loss, mismatch correction."""
+
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
+    loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="training-inference mismatch correction")
+
+
 class Config(Section):
     """The whole run."""
 
@@ -89,6 +226,10 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     datapool: DataPoolConfig = Field(default_factory=DataPoolConfig)
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig, description="OpenAI-compatible gateway, sessions and `arborl serve`"
+    )
+    train: TrainConfig = Field(default_factory=TrainConfig, description="policy optimisation: advantages, loss, correction")
 
     @property
     def run_dir(self) -> Path:

@@ -1,0 +1,24 @@
+"""Training: policy-gradient losses (``losses``), training-inference mismatch corrections
+(``corrections``); the trainer, packing and MTP modules build on them."""
+
+from arborl.train.corrections import rollout_correction
+from arborl.train.losses import (
+    aggregate,
+    cispo_token_loss,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    ppo_clip_token_loss,
+    token_logprobs,
+)
+
+__all__ = [
+    "aggregate",
+    "cispo_token_loss",
+    "entropy_from_logits",
+    "kl_penalty",
+    "policy_loss",
+    "ppo_clip_token_loss",
+    "rollout_correction",
+    "token_logprobs",
+]
