@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -36,6 +38,64 @@ def bench(
         raise typer.Exit(2) from None
     figures = run(quick=quick, console=console)
     print(json.dumps(figures, sort_keys=True))
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (defaults when omitted)"),
+    host: Optional[str] = typer.Option(None, "--host", help="address to bind (default: gateway.host, 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="TCP port (default: gateway.port; 0 = any free port)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Start engine(s) and the OpenAI-compatible gateway, print the base URL, serve until Ctrl-C."""
+    from arborl.gateway.serve import run_serve
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        run_serve(config, host, port, overrides, console)
+    except (ArborlError, OSError) as e:  # bad config, model not loadable, port taken
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def train(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (default job when omitted)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run in runs/<name>/ from its checkpoint"),
+) -> None:
+    """Train a policy with agentic RL (default: the calculator task on SmolLM2-135M-Instruct, CPU)."""
+    from arborl.config import load_config
+    from arborl.job import train as run_train
+    from arborl.types import ArborlError
+
+    console = Console()
+    try:
+        run_train(load_config(config, overrides), resume=resume, console=console)
+    except ArborlError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command("eval")
+def eval_cmd(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (defaults when omitted)"),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint directory to evaluate"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Held-out success of the configured model or of a checkpoint; prints a table and a JSON line."""
+    from arborl.config import load_config
+    from arborl.job import evaluate
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        result = evaluate(load_config(config, overrides), checkpoint, console=console)
+    except ArborlError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    print(json.dumps(result, sort_keys=True))
 
 
 if __name__ == "__main__":

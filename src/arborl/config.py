@@ -215,6 +215,49 @@ class TrainConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="training-inference mismatch correction")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0 = no clipping)")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="flat tokens per micro-batch; gradients accumulate over micro-batches into one step"
+    )
+    packing: Literal["flat", "tree", "auto"] = Field(
+        "auto", description="sequence packing: tree merges shared prefixes (P2); auto uses tree when it saves enough"
+    )
+    packing_min_saving: float = Field(
+        0.2, ge=0, le=1, description="auto packing uses the tree when it removes at least this fraction of tokens"
+    )
+    old_logprobs: Literal["trainer", "rollout"] = Field(
+        "trainer",
+        description="pi_old of the PPO/CISPO ratio: trainer = the trainer's own log-probs before this step "
+        "(mismatch handled by `correction`); rollout = the engine's log-probs (ratio also measures mismatch)",
+    )
+    lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank)")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], description="module names LoRA adapts"
+    )
+
+
+class RolloutConfig(Section):
+    """The rollout controller: which tasks, how many per step, how episodes are sampled."""
+
+    task: Literal["calculator", "even_tokens"] = Field("calculator", description="task suite (tasks/)")
+    steps: int = Field(12, ge=0, description="training steps (one optimiser step each)")
+    batch_tasks: int = Field(8, ge=1, description="tasks per step (B)")
+    group_size: int = Field(4, ge=1, description="episodes per task per step (G), the GRPO group")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of training episodes")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of training episodes")
+    max_tokens: int = Field(48, ge=1, description="completion tokens per model call")
+    max_turns: int = Field(3, ge=1, description="model calls per episode (tool rounds + final answer)")
+    in_context_example: bool = Field(True, description="calculator: put one worked example in the prompt")
+    agent_timeout_s: float = Field(600.0, gt=0, description="an episode running longer is aborted (seconds)")
+    eval_tasks: int = Field(64, ge=0, description="held-out tasks evaluated before and after training (0 = skip)")
+    eval_temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0 = greedy)")
+    eval_every: int = Field(0, ge=0, description="also evaluate every N steps (0 = only before and after)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
 
 
 class Config(Section):
@@ -230,6 +273,7 @@ class Config(Section):
         default_factory=GatewayConfig, description="OpenAI-compatible gateway, sessions and `arborl serve`"
     )
     train: TrainConfig = Field(default_factory=TrainConfig, description="policy optimisation: advantages, loss, correction")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="episodes per step and their sampling")
 
     @property
     def run_dir(self) -> Path:

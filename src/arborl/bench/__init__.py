@@ -12,6 +12,8 @@ from typing import Callable
 # name -> "module:function", imported lazily so `arborl --help` stays fast
 BENCHMARKS: dict[str, str] = {
     "engine": "arborl.bench.engine_bench:run",
+    "gateway": "arborl.bench.gateway_bench:run",
+    "tree-packing": "arborl.bench.tree_packing_bench:run",
 }
 
 

@@ -12,8 +12,10 @@ import json
 import operator
 import random
 import re
+from typing import Any
 
-from arborl.types import Task
+from arborl.agents import AgentLoop, AgentOutcome, ReActAgent, Tool
+from arborl.types import Call, Task
 
 TOOL_SCHEMA = {
     "type": "function",
@@ -142,3 +144,36 @@ def extract_answer(text: str) -> str | None:
 def score(task: Task, final_text: str) -> float:
     """1.0 when the final answer equals the task's answer, else 0.0."""
     return 1.0 if extract_answer(final_text) == task.metadata["answer"] else 0.0
+
+
+class CalculatorSuite:
+    """The task suite the default job trains on: a ReAct agent with the calculator tool and, by
+    default, one worked example in the prompt (SmolLM2-135M-Instruct calls the tool only with it)."""
+
+    name = "calculator"
+
+    def __init__(self, *, in_context_example: bool = True, max_turns: int = 3, levels: tuple[int, ...] = (1, 2, 3)):
+        self.in_context_example = in_context_example
+        self.max_turns = max_turns
+        self.levels = levels
+
+    def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
+        tasks = make_tasks(split, n, seed, self.levels)
+        for t in tasks:
+            prompt = [{"role": "user", "content": t.prompt}]
+            t.prompt = (EXAMPLE + prompt) if self.in_context_example else prompt
+        return tasks
+
+    def agent(self, sampling: dict[str, Any]) -> AgentLoop:
+        tool = Tool(
+            name="calculator",
+            fn=lambda expression: run_tool({"expression": expression}),
+            description=TOOL_SCHEMA["function"]["description"],
+            parameters=TOOL_SCHEMA["function"]["parameters"],
+        )
+        return ReActAgent([tool], system_prompt=SYSTEM_PROMPT, max_turns=self.max_turns, **sampling)
+
+    def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
+        answer = outcome.answer if outcome is not None and outcome.answer else ""
+        used_tool = float(bool(outcome and outcome.info.get("tool_runs", 0)))
+        return {"outcome": score(task, answer), "used_tool": used_tool}

@@ -1,0 +1,84 @@
+"""White-box agents: an agent is an async function of a task and a session-bound client.
+
+    async def my_agent(task: Task, client: SessionClient) -> AgentOutcome: ...
+
+``run_agent`` opens a session (one episode in the data pool), runs the loop with a timeout and
+closes the session: finished when the loop returns, failed when it raises (the error is kept on
+the episode, the calls recorded so far stay), aborted on timeout. The agent's model calls go
+through ``client`` and so through the gateway's one recording path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from arborl.agents.client import SessionClient
+from arborl.gateway.core import Gateway
+from arborl.types import EpisodeStatus, Task
+
+
+@dataclass
+class AgentOutcome:
+    """What an agent loop returns; environments score ``answer`` (and read ``info``)."""
+
+    answer: str | None = None
+    status: EpisodeStatus = EpisodeStatus.FINISHED
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentLoop(Protocol):
+    async def __call__(self, task: Task, client: SessionClient) -> AgentOutcome | None: ...
+
+
+@dataclass
+class EpisodeRun:
+    """One episode an agent ran: where it is stored and how it ended."""
+
+    episode_id: str
+    status: EpisodeStatus
+    outcome: AgentOutcome | None
+    error: str | None
+    duration_s: float
+
+
+async def run_agent(
+    gateway: Gateway,
+    agent: AgentLoop,
+    task: Task,
+    *,
+    group_id: str = "",
+    timeout_s: float | None = None,
+    stitching: bool | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> EpisodeRun:
+    """Run ``agent`` on ``task`` in a fresh white-box session; never raises for the agent's errors."""
+    info = await gateway.create_session(
+        task_id=task.task_id, group_id=group_id, agent_kind="whitebox", stitching=stitching, metadata=metadata
+    )
+    client = SessionClient(gateway, info)
+    t0 = time.perf_counter()
+    outcome: AgentOutcome | None = None
+    error: str | None = None
+    try:
+        outcome = await asyncio.wait_for(agent(task, client), timeout_s)
+        status = outcome.status if outcome is not None else EpisodeStatus.FINISHED
+    except (asyncio.TimeoutError, TimeoutError):
+        status, error = EpisodeStatus.ABORTED, f"the agent exceeded its timeout of {timeout_s} s"
+    except Exception as e:  # noqa: BLE001 - the episode fails, the rollout goes on
+        status = EpisodeStatus.FAILED
+        error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        tb = traceback.format_exc()
+        await gateway.set_meta(info.session, agent_traceback=tb[-4000:])
+    duration = time.perf_counter() - t0
+    await gateway.settle(info.session)  # abandoned calls (timeout, error) are aborted and recorded first
+    await gateway.set_meta(
+        info.session,
+        outcome={"answer": outcome.answer if outcome else None, "info": outcome.info if outcome else {},
+                 "error": error, "duration_s": duration},
+    )
+    await gateway.finish(info.session, status)
+    return EpisodeRun(info.session_id, status, outcome, error, duration)

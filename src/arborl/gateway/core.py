@@ -1,0 +1,505 @@
+"""The gateway core: a plain Python class, no HTTP.
+
+``Gateway`` owns the sessions, routes calls to engines, builds prompts (chat template, token
+stitching), records every served call to the data pool with the engine's token ids, and formats
+OpenAI responses. The FastAPI app (``gateway.app``) is a thin layer over it, and the white-box
+agent's ``SessionClient`` calls it in-process: both go through the same recording path.
+
+One request runs as a ``RequestRun`` (``gateway.run``): one engine request per choice (``n``) and
+a detached finaliser that records their calls before the response (or the stream's last chunk) is
+released. So a 200 means "recorded", a client that goes away cannot interrupt recording, and a
+failed engine request records nothing (the other choices of that request are aborted and dropped
+with it, so a client retry never duplicates).
+
+Threads: the HTTP server's event loop and in-process callers on other loops/threads may share one
+``Gateway``; shared state is behind ``threading`` locks, data-pool writes run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from arborl.config import GatewayConfig
+from arborl.datapool import DataPool
+from arborl.engine import AsyncEngine
+from arborl.gateway import openai_format as fmt
+from arborl.gateway.errors import BadRequestError, GatewayError, NotFoundError
+from arborl.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
+from arborl.gateway.render import ChatRenderer, normalize_messages
+from arborl.gateway.router import Router
+from arborl.gateway.samples import episode_samples
+from arborl.gateway.sessions import Session, SessionStore, episode_meta, new_key
+from arborl.gateway.run import Job, RequestRun
+from arborl.gateway.stitching import CallRecord, Stitched, common_prefix_len, message_chain, stitch_chat
+from arborl.types import Episode, EpisodeStatus, GenerateRequest, InvalidRequestError, SamplingParams, new_id, to_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionInfo:
+    session: Session
+    api_key: str
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+
+@dataclass
+class GatewayStats:
+    requests: int = 0
+    calls_recorded: int = 0
+    errors_4xx: int = 0
+    errors_5xx: int = 0
+    aborted: int = 0
+    stitched: int = 0
+    drift_events: int = 0
+    started_at: float = field(default_factory=time.time)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Counters are bumped from several threads (event loops, recording workers)."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+class Gateway:
+    """Sessions, routing, prompt building, recording. See the module docstring.
+
+    ``engines``: AsyncEngines serving the same policy. ``tokenizer`` may be None for a model
+    without one (then only token-in requests work). The admin key is ``admin_key``, else
+    ``$ARBORL_ADMIN_KEY``, else ``config.admin_key``, else a random one (``self.admin_key``).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[AsyncEngine],
+        *,
+        datapool: DataPool,
+        tokenizer: Any = None,
+        model_name: str = "arborl",
+        config: GatewayConfig | None = None,
+        admin_key: str | None = None,
+        max_seq_len: int | None = None,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.config = config or GatewayConfig()
+        self.engines = list(engines)
+        if not self.engines:
+            raise ValueError("a gateway needs at least one engine")
+        core = getattr(self.engines[0], "engine", None)
+        self.max_seq_len = int(max_seq_len or min(e.engine.config.max_seq_len for e in self.engines))
+        self.vocab_size = int(vocab_size or core.runner.vocab_size)
+        self.eos_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else core.eos_token_ids))
+        self.tokenizer = tokenizer
+        self.renderer = (
+            ChatRenderer(tokenizer, self.config.tool_prompt)
+            if tokenizer is not None and getattr(tokenizer, "chat_template", None)
+            else None
+        )
+        self.pool = datapool
+        self.model_name = self.config.model_name or model_name
+        self.admin_key = admin_key or os.environ.get("ARBORL_ADMIN_KEY") or self.config.admin_key or new_key()
+        self.sessions = SessionStore(self.admin_key)
+        self.router = Router(self.engines, self.config.affinity_max_load)
+        self.stats = GatewayStats()
+        self._tasks: set[asyncio.Task] = set()
+        self._created = int(time.time())
+
+    # ------------------------------------------------------------------ text helpers
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_raw(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _decode_one(self, t: int) -> str:
+        return self.decode_raw([t]) if self.tokenizer is not None else f"<{t}>"
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequestError("this model has no tokenizer: send token ids (prompt_token_ids, or a list of ints as prompt)")
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    # ------------------------------------------------------------------ sessions
+    async def create_session(
+        self,
+        *,
+        task_id: str = "",
+        group_id: str = "",
+        agent_kind: str = "blackbox",
+        stitching: bool | None = None,
+        metadata: dict[str, Any] | None = None,
+        episode_id: str | None = None,
+    ) -> SessionInfo:
+        """A new session = a new running episode in the data pool, with its own key."""
+        stitch = self.config.stitching if stitching is None else bool(stitching)
+        ep = Episode(task_id=task_id, group_id=group_id, agent_kind=agent_kind, meta=episode_meta(metadata or {}, stitch))
+        if episode_id:
+            ep.episode_id = episode_id
+        session = Session(episode=ep, stitching=stitch)
+        key = new_key()
+        await asyncio.to_thread(self.pool.put_episode, ep)
+        self.sessions.add(session, key)
+        return SessionInfo(session, key)
+
+    async def add_reward(self, session: Session, value: float, *, name: str = "agent", call_id: str | None = None) -> dict[str, Any]:
+        """A step / process reward from the agent side, kept in ``episode.meta["rewards"]``."""
+        if call_id is not None:
+            call = await asyncio.to_thread(self.pool.get_call, call_id)
+            if call is None or call.episode_id != session.session_id:
+                raise NotFoundError(f"call {call_id!r} is not a call of this session", param="call_id")
+        entry = {"name": name, "value": float(value), "call_id": call_id, "after_call": session.last_call_id, "at": time.time()}
+        with session.lock:
+            session.episode.meta.setdefault("rewards", []).append(entry)
+        await asyncio.to_thread(self._write_episode, session)
+        return entry
+
+    async def add_interaction(self, session: Session, record: dict[str, Any]) -> None:
+        """An environment interaction (a tool run, ...), appended to ``episode.interactions``."""
+        with session.lock:
+            session.episode.interactions.append({"after_call": session.last_call_id, "at": time.time(), **record})
+        await asyncio.to_thread(self._write_episode, session)
+
+    async def settle(self, session: Session, timeout_s: float = 30.0) -> bool:
+        """Wait until none of the session's requests is in flight (each is recorded or failed).
+        Callers that abandon requests (a timed-out agent, a killed process) settle before they
+        finish the session or close their event loop. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while session.in_flight > 0:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def set_meta(self, session: Session, **items: Any) -> None:
+        """Set keys of the episode's meta (e.g. the agent's outcome)."""
+        with session.lock:
+            session.episode.meta.update(items)
+        await asyncio.to_thread(self._write_episode, session)
+
+    async def finish(self, session: Session, status: EpisodeStatus | str = EpisodeStatus.FINISHED) -> dict[str, Any]:
+        """End the session: no more model calls; its episode gets ``status``. Idempotent."""
+        st = EpisodeStatus(status)
+        if st == EpisodeStatus.RUNNING:
+            raise BadRequestError("finish needs a final status: finished, failed or aborted", param="status")
+        with session.lock:
+            if not session.finished:
+                session.episode.status = st
+                session.episode.finished_at = time.time()
+                session.history.clear()  # stitching state is no longer needed
+        await asyncio.to_thread(self._write_episode, session)
+        return {"session_id": session.session_id, "status": session.episode.status.value, "calls": session.calls}
+
+    def _write_episode(self, session: Session) -> None:
+        with session.write_lock:  # the newest in-memory state is what ends up stored
+            with session.lock:
+                ep = session.episode
+                meta, inter = copy.deepcopy(ep.meta), copy.deepcopy(ep.interactions)
+                status, finished_at = ep.status, ep.finished_at
+            self.pool.update_episode(
+                session.session_id, status=status, meta=meta, interactions=inter, finished_at=finished_at
+            )
+
+    async def trajectory(self, session: Session) -> dict[str, Any]:
+        """The session's recorded calls, their samples (token ids, loss mask, logprobs, versions,
+        chunk ids), drift events, rewards and interactions, read back from the data pool."""
+        ep = await asyncio.to_thread(self.pool.get_episode, session.session_id)
+        assert ep is not None
+        samples = episode_samples(ep.calls)
+        calls = [
+            {
+                "call_id": c.call_id,
+                "prompt_token_ids": c.prompt_token_ids,
+                "completion_token_ids": c.completion_token_ids,
+                "loss_mask": [0] * len(c.prompt_token_ids) + [1] * len(c.completion_token_ids),
+                "logprobs": c.logprobs,
+                "sample_logprobs": c.sample_logprobs,
+                "versions": c.versions,
+                "finish_reason": c.finish_reason,
+                "engine_id": c.engine_id,
+                "meta": c.meta,
+            }
+            for c in ep.calls
+        ]
+        return {
+            "session_id": ep.episode_id,
+            "episode_id": ep.episode_id,
+            "task_id": ep.task_id,
+            "group_id": ep.group_id,
+            "status": ep.status.value,
+            "stitching": session.stitching,
+            "calls": calls,
+            "samples": [to_dict(s) for s in samples],
+            "drift_events": [{"call_id": c.call_id, **c.meta["drift"]} for c in ep.calls if c.meta.get("drift")],
+            "rewards": ep.meta.get("rewards", []),
+            "interactions": ep.interactions,
+        }
+
+    # ------------------------------------------------------------------ models / health
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "arborl",
+            "max_model_len": self.max_seq_len,
+            "policy_version": max(e.version for e in self.engines),
+        }
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(
+                f"model {model!r} does not exist: this gateway serves {self.model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "engines": [
+                {"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down}
+                for i, e in enumerate(self.engines)
+            ],
+            "sessions": len(self.sessions.all()),
+            "stats": {k: getattr(self.stats, k) for k in ("requests", "calls_recorded", "errors_4xx", "errors_5xx",
+                                                          "aborted", "stitched", "drift_events")},
+        }
+
+    # ------------------------------------------------------------------ chat
+    async def chat_completion(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/chat/completions (non-streaming) in-process: the response body."""
+        run = self.start_chat(session, {**body, "stream": False})
+        return await run.response()
+
+    def start_chat(self, session: Session, body: Any) -> RequestRun:
+        """Validate, build the prompt and start the engine requests; raises GatewayError on bad input."""
+        try:
+            req = parse(ChatCompletionRequest, body)
+            session.check_open()
+            self.check_model(req.model)
+            ignored = self._unsupported(req.unsupported())
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+            meta: dict[str, Any] = {"endpoint": "chat"}
+            chain = None
+            if req.prompt_token_ids is not None:
+                if req.messages:
+                    raise BadRequestError("send either messages or prompt_token_ids, not both", param="prompt_token_ids")
+                prompt = list(req.prompt_token_ids)
+                meta["input"] = "tokens"
+                with session.lock:
+                    drift = session.history.drift(prompt)
+                if drift:
+                    meta["drift"] = drift
+            else:
+                if self.renderer is None:
+                    raise BadRequestError("this model has no tokenizer with a chat template: send prompt_token_ids instead of messages")
+                if req.messages is None:
+                    raise BadRequestError("messages is required (or prompt_token_ids, token-in)", param="messages")
+                messages = normalize_messages(req.messages)
+                chain = message_chain(messages, tools)
+                prompt, info = self._chat_prompt(session, messages, chain, tools)
+                meta["input"] = "messages"
+                meta.update(info)
+            if ignored:
+                meta["ignored_params"] = ignored
+            if tools:
+                meta["tools"] = [t["function"]["name"] for t in tools]
+            max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
+            jobs = self._jobs(req, [(prompt, meta, chain, None)], max_tokens)
+            run = RequestRun(self, session, "chat", req, jobs, tools)
+        except GatewayError as e:
+            self._count_error(e)
+            raise
+        run.start()
+        return run
+
+    def _chat_prompt(
+        self, session: Session, messages: list[dict[str, Any]], chain: list[str], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], dict[str, Any]]:
+        """The prompt token ids of a chat request, and what to note on the call (stitch / drift)."""
+        assert self.renderer is not None
+        full_text = self.renderer.render(messages, tools, add_generation_prompt=True)
+        with session.lock:
+            same = session.history.same_request(chain) if session.stitching else None
+            found = session.history.find_parent(messages, chain)
+        if same is not None:
+            return same.prompt_ids, {"reused_prompt_of": same.call_id}
+        reason = None
+        if found is not None and session.stitching:
+            got = stitch_chat(self.renderer, found[0], found[1], messages, tools, full_text)
+            if isinstance(got, Stitched):
+                full_ids = self.renderer.encode(full_text)
+                same_len = common_prefix_len(full_ids, got.prompt_ids)
+                exact = same_len == len(full_ids) == len(got.prompt_ids)
+                # where a plain re-render would have differed from the tokens the policy produced
+                got.info["retokenized_diff_at"] = None if exact else same_len
+                self.stats.add("stitched", 1)
+                return got.prompt_ids, {"stitch": got.info}
+            reason = got
+        elif found is not None:
+            reason = "stitching_off"
+        prompt = self.renderer.encode(full_text)
+        with session.lock:
+            drift = session.history.drift(prompt, messages=messages, chain=chain, reason=reason)
+        if drift:
+            self.stats.add("drift_events", 1)
+            return prompt, {"drift": drift}
+        return prompt, {}
+
+    # ------------------------------------------------------------------ completions
+    async def completion(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions (non-streaming) in-process."""
+        run = self.start_completion(session, {**body, "stream": False})
+        return await run.response()
+
+    def start_completion(self, session: Session, body: Any) -> RequestRun:
+        try:
+            req = parse(CompletionRequest, body)
+            session.check_open()
+            self.check_model(req.model)
+            ignored = self._unsupported(req.unsupported())
+            p = req.prompt
+            if isinstance(p, str):
+                prompts: list[str | list[int]] = [p]
+            elif p and all(isinstance(x, int) for x in p):
+                prompts = [list(p)]  # type: ignore[arg-type]
+            else:
+                prompts = list(p)  # type: ignore[arg-type]
+            if not prompts:
+                raise BadRequestError("prompt is empty: send a string, a list of token ids, or a list of those", param="prompt")
+            planned = []
+            for prompt in prompts:
+                meta: dict[str, Any] = {"endpoint": "completions"}
+                if ignored:
+                    meta["ignored_params"] = ignored
+                if isinstance(prompt, str):
+                    ids, info = self._text_prompt(session, prompt)
+                    meta.update(input="text", **info)
+                    planned.append((ids, meta, None, prompt))
+                else:
+                    with session.lock:
+                        drift = session.history.drift(prompt)
+                    meta["input"] = "tokens"
+                    if drift:
+                        meta["drift"] = drift
+                    planned.append((list(prompt), meta, None, None))
+            jobs = self._jobs(req, planned, req.max_tokens or 16)
+            run = RequestRun(self, session, "completion", req, jobs, None)
+        except GatewayError as e:
+            self._count_error(e)
+            raise
+        run.start()
+        return run
+
+    def _text_prompt(self, session: Session, text: str) -> tuple[list[int], dict[str, Any]]:
+        with session.lock:
+            parent = session.history.find_text_parent(text) if session.stitching else None
+        if parent is not None:
+            assert parent.text_key is not None
+            rest = self._encode(text[len(parent.text_key) :])
+            ids = parent.full_ids.tolist() + rest
+            return ids, {"stitch": {"parent_call": parent.call_id, "suffix_start": len(parent.full_ids), "suffix_tokens": len(rest)}}
+        ids = self._encode(text)
+        with session.lock:
+            drift = session.history.drift(ids)
+        return ids, ({"drift": drift} if drift else {})
+
+    # ------------------------------------------------------------------ shared
+    def _unsupported(self, names: list[str]) -> list[str]:
+        if names and self.config.unsupported_params == "reject":
+            raise BadRequestError(
+                "unsupported parameter(s): " + "; ".join(names)
+                + ". Remove them, or start the gateway with gateway.unsupported_params=ignore",
+                param=names[0].split(" ")[0],
+                code="unsupported_parameter",
+            )
+        return [n.split(" ")[0] for n in names]
+
+    def _jobs(self, req: Any, planned: list[tuple[list[int], dict, list[str] | None, str | None]], max_tokens: int) -> list[Job]:
+        if req.n > self.config.max_n:
+            raise BadRequestError(f"n is {req.n} but this gateway serves at most {self.config.max_n} choices (gateway.max_n)", param="n")
+        stops = req.stops()
+        if stops and self.tokenizer is None:
+            raise BadRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop")
+        jobs = []
+        for pi, (prompt, meta, chain, text) in enumerate(planned):
+            if len(prompt) >= self.max_seq_len:
+                raise BadRequestError(
+                    f"the prompt has {len(prompt)} tokens but the model's context holds {self.max_seq_len} "
+                    "(prompt + completion): shorten the conversation or raise engine.max_seq_len",
+                    param="messages" if meta.get("input") == "messages" else "prompt",
+                    code="context_length_exceeded",
+                )
+            for j in range(req.n):
+                params = SamplingParams(
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=max(0, req.top_k or 0),
+                    max_tokens=max_tokens,
+                    stop_token_ids=list(req.stop_token_ids or []),
+                    stop=stops,
+                    ignore_eos=req.ignore_eos,
+                    seed=None if req.seed is None else req.seed + j,
+                )
+                greq = GenerateRequest(list(prompt), params, request_id=new_id("req"))
+                try:
+                    greq.validate(self.vocab_size, self.max_seq_len)
+                except InvalidRequestError as e:
+                    raise BadRequestError(str(e), param="prompt_token_ids" if meta.get("input") == "tokens" else None) from None
+                m = dict(meta, choice=j, n=req.n, params={"temperature": params.temperature, "top_p": params.top_p,
+                                                           "top_k": params.top_k, "max_tokens": max_tokens, "seed": params.seed})
+                jobs.append(Job(pi * req.n + j, greq, m, chain, text))
+        return jobs
+
+    def _count_error(self, e: GatewayError) -> None:
+        if e.status >= 500:
+            self.stats.add("errors_5xx", 1)
+        else:
+            self.stats.add("errors_4xx", 1)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait until every request started on this event loop is recorded (or failed)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            mine = [t for t in list(self._tasks) if t.get_loop() is loop and not t.done()]
+            if not mine:
+                return
+            await asyncio.gather(*mine, return_exceptions=True)
+
+    def _record(self, session: Session, served: list[fmt.ServedChoice], records: list[CallRecord | None]) -> None:
+        """Store the calls (worker thread), then make them stitchable. Raises on a data-pool error."""
+        for c in served:
+            self.pool.add_call(c.call)
+        with session.lock:
+            for c, rec in zip(served, records):
+                session.calls += 1
+                session.last_call_id = c.call.call_id
+                if rec is not None and not session.finished:
+                    session.history.add(rec)
+        self.stats.add("calls_recorded", len(served))

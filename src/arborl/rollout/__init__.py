@@ -1,0 +1,1 @@
+"""Rollout controllers: dispatch episodes, consume finished samples, drive the trainer."""

@@ -1,0 +1,21 @@
+"""What a task suite gives the rollout controller: tasks, the agent that attempts them, the score."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from arborl.agents import AgentLoop, AgentOutcome
+from arborl.types import Call, Task
+
+
+class TaskSuite(Protocol):
+    name: str
+
+    def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
+        """``n`` tasks of ``split`` ("train" or "eval"), deterministic for a seed; splits are disjoint."""
+
+    def agent(self, sampling: dict[str, Any]) -> AgentLoop:
+        """The white-box agent that attempts a task; ``sampling`` holds the OpenAI sampling params."""
+
+    def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
+        """Reward components of one finished episode; ``"outcome"`` is the task's success in [0, 1]."""

@@ -1,0 +1,188 @@
+"""The policy trainer: one optimiser step per batch of samples.
+
+    for each micro-batch (samples grouped so a GRPO group packs together, <= micro_batch_tokens):
+        pack (flat or prefix tree)  ->  per-sample log-probs (+ entropies)
+        w      = rollout_correction(logp, rollout_logp)          # S3: TIS / MIS / IcePop weights
+        loss   = policy_loss(logp, old_logp, advantages, w, ...)  # PPO-clip or CISPO, KL, entropy
+        loss.backward()                                           # normalised by the whole batch
+    clip gradients; AdamW step; publish weights to the engines (version + 1)
+
+Sample fields are per token; the log-prob tensors are per next-token prediction, so the trainer
+aligns them by dropping each sample's first token (a prompt token never carries loss).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from arborl.config import TrainConfig
+from arborl.train.corrections import rollout_correction
+from arborl.train.losses import policy_loss
+from arborl.train.packing import pack, packed_logprobs
+from arborl.types import InvalidRequestError, Sample
+
+
+def micro_batches(samples: list[Sample], token_budget: int) -> list[list[int]]:
+    """Indices of ``samples`` split into micro-batches of at most ``token_budget`` flat tokens
+    (a longer sample goes alone). Samples of one group stay adjacent, so their shared prompt can be
+    packed as one prefix tree."""
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].group_id, i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        n = len(samples[i].token_ids)
+        if current and used + n > token_budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _per_token(samples: list[Sample], field: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """[B, T-1] padded tensor of a per-token Sample field, aligned with next-token predictions."""
+    rows = [torch.tensor(getattr(s, field)[1:], dtype=dtype) for s in samples]
+    return pad_sequence(rows, batch_first=True).to(device)
+
+
+def _merge_metrics(acc: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    out = {}
+    for key, vals in acc.items():
+        xs = [v for v, _ in vals]
+        if key.endswith("max"):
+            out[key] = max(xs)
+        elif key.endswith("min"):
+            out[key] = min(xs)
+        elif key.startswith("loss/") or key.endswith("tokens"):
+            out[key] = sum(xs)
+        else:
+            total = sum(w for _, w in vals)
+            out[key] = sum(v * w for v, w in vals) / total if total else 0.0
+    return out
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.model = self._with_lora(model) if cfg.lora_rank > 0 else model
+        # the HF model whose modules we run (under LoRA: the base model with adapters injected)
+        self.policy = self.model.get_base_model() if cfg.lora_rank > 0 else self.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise InvalidRequestError("the model has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+        # KL needs a frozen reference: the base model under LoRA, else a copy of the start weights
+        self.ref_model = None
+        if cfg.loss.kl_coef > 0 and cfg.lora_rank == 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.step = 0
+        self.device = next(self.model.parameters()).device
+
+    def _with_lora(self, model: nn.Module) -> nn.Module:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise InvalidRequestError("train.lora_rank > 0 needs peft: pip install peft") from e
+        lcfg = LoraConfig(
+            r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, target_modules=list(self.cfg.lora_targets),
+            lora_dropout=0.0, bias="none",
+        )
+        return get_peft_model(model, lcfg)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        for s in samples:
+            s.validate()
+        t0 = time.perf_counter()
+        num_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
+        num_samples = sum(1 for s in samples if any(s.loss_mask[1:]))
+        if num_tokens == 0:
+            return {"train/skipped": 1.0, "train/step": float(self.step)}
+        cfg = self.cfg
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        packed_tokens = flat_tokens = 0
+        for idx in micro_batches(samples, cfg.micro_batch_tokens):
+            mb = [samples[i] for i in idx]
+            batch = pack(
+                [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
+                min_saving=cfg.packing_min_saving,
+            )
+            packed_tokens += batch.tokens_packed
+            flat_tokens += batch.tokens_flat
+            want_entropy = cfg.loss.entropy_coef > 0
+            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy)
+            lps, ents = out if want_entropy else (out, None)
+            logp = pad_sequence(lps, batch_first=True)
+            entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
+            dtype = logp.dtype
+            mask = _per_token(mb, "loss_mask", dtype, self.device)
+            rollout = _per_token(mb, "rollout_logprobs", dtype, self.device)
+            adv = _per_token(mb, "advantages", dtype, self.device)
+            chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
+            weights, corr = rollout_correction(
+                logp.detach(), rollout, mask, chunk_ids=chunks, **cfg.correction.model_dump()
+            )
+            old = logp.detach() if cfg.old_logprobs == "trainer" else rollout
+            ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
+            loss, metrics = policy_loss(
+                logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy,
+                num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
+            )
+            loss.backward()
+            w = float(mask.sum())
+            for k, v in {**metrics, **corr}.items():
+                acc[k].append((float(v), w))
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.step += 1
+        out = _merge_metrics(acc)
+        out.update({
+            "train/step": float(self.step),
+            "train/grad_norm": grad_norm,
+            "train/samples": float(len(samples)),
+            "train/loss_tokens": float(num_tokens),
+            "train/packed_tokens": float(packed_tokens),
+            "train/flat_tokens": float(flat_tokens),
+            "train/step_s": time.perf_counter() - t0,
+        })
+        return out
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch) -> torch.Tensor:
+        if self.ref_model is not None:
+            lps = packed_logprobs(self.ref_model, batch)
+        else:  # LoRA: the base model is the model with its adapters off
+            with self.model.disable_adapter():
+                lps = packed_logprobs(self.policy, batch)
+        return pad_sequence(lps, batch_first=True)
+
+    # -- weights for the engines ------------------------------------------------------------------
+    @torch.no_grad()
+    def engine_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the plain model's parameter names (LoRA merged in), as copies
+        the engines may load while training goes on."""
+        if self.cfg.lora_rank == 0:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        state = {k: v.detach().clone() for k, v in self.policy.state_dict().items() if "lora_" not in k}
+        for name, module in self.policy.named_modules():
+            if isinstance(module, LoraLayer):
+                key = f"{name}.base_layer.weight"
+                state[key] = state[key] + module.get_delta_weight("default")
+        return {k.replace(".base_layer.", "."): v for k, v in state.items()}

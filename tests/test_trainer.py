@@ -1,0 +1,138 @@
+"""Trainer: micro-batching, packing modes, resume equivalence, LoRA publishing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from arborl.config import TrainConfig
+from arborl.models import tiny_llama
+from arborl.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from arborl.train.trainer import Trainer, micro_batches
+from arborl.types import Sample
+
+VOCAB = 128
+
+
+def model(seed=0):
+    return tiny_llama(layers=2, hidden=32, vocab=VOCAB, heads=4, kv_heads=2, seed=seed)
+
+
+def make_samples(seed: int, groups: int = 2, size: int = 3) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+        for _ in range(size):
+            resp = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+            toks = prompt + resp
+            mask = [0] * len(prompt) + [1] * len(resp)
+            adv = rng.uniform(-1, 1)
+            out.append(
+                Sample(
+                    episode_id=f"e{len(out)}", group_id=f"g{g}", token_ids=toks, loss_mask=mask,
+                    rollout_logprobs=[-rng.uniform(3, 6) if m else 0.0 for m in mask],
+                    versions=[0 if m else -1 for m in mask], chunk_ids=[0] * len(toks),
+                    advantages=[adv if m else 0.0 for m in mask], reward=adv,
+                )
+            )
+    return out
+
+
+def params_of(m) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+def test_micro_batches_keep_groups_together_and_respect_budget():
+    s = make_samples(1, groups=3, size=4)
+    for budget in (1, 20, 40, 10_000):
+        mbs = micro_batches(s, budget)
+        assert sorted(i for mb in mbs for i in mb) == list(range(len(s)))
+        for mb in mbs:
+            assert len(mb) == 1 or sum(len(s[i].token_ids) for i in mb) <= budget
+            groups = [s[i].group_id for i in mb]
+            assert groups == sorted(groups)
+
+
+@pytest.mark.parametrize("packing", ["flat", "tree"])
+def test_step_is_independent_of_micro_batching_and_packing(packing):
+    samples = make_samples(2)
+    ref = model()
+    Trainer(ref, TrainConfig(lr=1e-2, packing="flat", micro_batch_tokens=10_000)).train_step(samples)
+    m = model()
+    metrics = Trainer(m, TrainConfig(lr=1e-2, packing=packing, micro_batch_tokens=16)).train_step(samples)
+    assert torch.allclose(params_of(m), params_of(ref), atol=1e-5)
+    assert metrics["train/grad_norm"] > 0 and metrics["train/step"] == 1
+    assert not torch.allclose(params_of(m), params_of(model()))  # it trained
+
+
+def test_tree_packing_computes_fewer_tokens_on_groups():
+    samples = make_samples(3, groups=1, size=6)
+    metrics = Trainer(model(), TrainConfig(packing="tree")).train_step(samples)
+    assert metrics["train/packed_tokens"] < metrics["train/flat_tokens"]
+
+
+def test_all_masked_batch_is_skipped():
+    s = make_samples(4)
+    for x in s:
+        x.loss_mask = [0] * len(x.loss_mask)
+    m = model()
+    assert Trainer(m, TrainConfig()).train_step(s)["train/skipped"] == 1.0
+    assert torch.equal(params_of(m), params_of(model()))
+
+
+def test_resume_equals_straight_run(tmp_path):
+    cfg = TrainConfig(lr=5e-3, loss={"entropy_coef": 0.01, "kl_coef": 0.05})
+    batches = [make_samples(10 + i) for i in range(4)]
+
+    straight = Trainer(model(), cfg)
+    for b in batches:
+        straight.train_step(b)
+
+    first = Trainer(model(), cfg)
+    for b in batches[:2]:
+        first.train_step(b)
+    torch.manual_seed(123)
+    save_checkpoint(tmp_path / "ckpt", first, {"cursor": 2})
+    expect_rng = torch.rand(3)
+    torch.manual_seed(999)  # a resumed process starts with other RNG state
+    resumed = Trainer(model(seed=5), cfg)
+    extra = load_checkpoint(tmp_path / "ckpt", resumed)
+    assert extra == {"cursor": 2} and resumed.step == 2
+    assert torch.equal(torch.rand(3), expect_rng)
+    for b in batches[extra["cursor"]:]:
+        resumed.train_step(b)
+    assert torch.allclose(params_of(resumed.model), params_of(straight.model), atol=1e-6, rtol=0)
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        load_checkpoint(tmp_path, Trainer(model(), TrainConfig()))
+
+
+def test_engine_state_loads_into_engine_model():
+    m = model()
+    t = Trainer(m, TrainConfig(lr=1e-2))
+    t.train_step(make_samples(6))
+    fresh = model(seed=9)
+    fresh.load_state_dict(t.engine_state())
+    assert torch.equal(params_of(fresh), params_of(m))
+
+
+def test_lora_trains_adapters_and_publishes_merged_weights():
+    pytest.importorskip("peft")
+    base = model()
+    t = Trainer(base, TrainConfig(lr=5e-2, lora_rank=4))
+    for i in range(3):
+        t.train_step(make_samples(20 + i))
+    merged = model(seed=9)
+    merged.load_state_dict(t.engine_state())
+    ids = torch.tensor([[1, 5, 9, 11, 3]])
+    with torch.no_grad():
+        want = t.model(ids).logits
+        got = merged(ids).logits
+        untouched = model()(ids).logits
+    assert torch.allclose(got, want, atol=1e-4)  # (W + sBA)x vs Wx + sBAx: float32 rounding only
+    assert not torch.allclose(got, untouched, atol=1e-4)
