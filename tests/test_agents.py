@@ -142,3 +142,12 @@ def test_blackbox_exit_codes_outputs_and_self_finish(h):
     assert len(h.pool.calls(own.episode_id)) == 1
     missing = run(runner.run(["/nonexistent/agent"], TASK))
     assert missing.status == EpisodeStatus.FAILED and "cannot start" in missing.stderr
+
+
+def test_blackbox_gets_the_task_in_the_environment_or_a_file(h):
+    runner = BlackBoxRunner(h.gateway, h.base_url)
+    small = run(runner.run([sys.executable, AGENT, "task"], TASK, timeout_s=30))
+    assert small.stdout.split() == ["env", str(len(QUESTION)), h.base_url]
+    big = Task("big", "x" * 100_000)
+    res = run(runner.run([sys.executable, AGENT, "task"], big, timeout_s=30))
+    assert res.stdout.split() == ["file", "100000"] and res.status == EpisodeStatus.FINISHED

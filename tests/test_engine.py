@@ -327,3 +327,22 @@ def test_slot_compaction_after_kv_growth():
     reqs = [GenerateRequest(prompt(50, cap + 5), greedy(2)), GenerateRequest(prompt(51, 12), greedy(9))]
     for r in eng.generate(reqs):
         assert_matches_reference(model, r)
+
+
+def test_caller_loop_closed_mid_request_does_not_kill_the_engine():
+    aeng = AsyncEngine(make_engine())
+    try:
+        async def leave_early():
+            asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(1, 6), greedy(60))))
+            await asyncio.sleep(0.05)  # submitted; the loop closes with the request in flight
+
+        asyncio.run(leave_early())
+
+        async def later():
+            return await aeng.generate(GenerateRequest(prompt(2, 6), greedy(3)))
+
+        assert len(asyncio.run(later()).token_ids) == 3
+        assert not aeng.closed
+    finally:
+        aeng.shutdown()
+    assert aeng.closed

@@ -6,7 +6,8 @@ OPENAI_MODEL, ARBORL_TASK, ARBORL_SESSION_ID). Modes (argv[1]):
 * ``tools``: a tool-use loop with an ``add`` tool; prints the final answer; posts a step reward;
 * ``hang``: starts a child process that writes its pid to argv[2], then both sleep (timeout test);
 * ``fail``: writes to both streams and exits 3;
-* ``finish-self``: one call, then finishes its own session as "failed" and exits 0.
+* ``finish-self``: one call, then finishes its own session as "failed" and exits 0;
+* ``task``: prints where the task came from and the prompt's length.
 """
 
 from __future__ import annotations
@@ -78,3 +79,9 @@ if __name__ == "__main__":
         fail()
     elif mode == "finish-self":
         finish_self()
+    elif mode == "task":
+        if "ARBORL_TASK_FILE" in os.environ:
+            with open(os.environ["ARBORL_TASK_FILE"]) as f:
+                print("file", len(json.load(f)["prompt"]))
+        else:
+            print("env", len(json.loads(os.environ["ARBORL_TASK"])["prompt"]), os.environ["OPENAI_API_BASE"])

@@ -5,7 +5,8 @@
 * ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``: the gateway's ``/v1`` and the session's key (so an
   unmodified ``openai`` client talks to the gateway and every call is recorded);
 * ``OPENAI_MODEL``: the served model id; ``ARBORL_SESSION_ID``; ``ARBORL_TASK``: the task as JSON
-  (``task_id``, ``prompt``, ``metadata``); ``ARBORL_TASK_PROMPT`` when the prompt is text.
+  (``task_id``, ``prompt``, ``metadata``) -- or ``ARBORL_TASK_FILE``, a path to that JSON, when it is
+  over 64 KiB; ``ARBORL_TASK_PROMPT`` when the prompt is text (and small).
 
 The process runs in its own process group (session). At the timeout the group gets SIGTERM, then
 SIGKILL after ``kill_grace_s``; when the main process exits, whatever it left running in its group
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from arborl.gateway.core import Gateway
 from arborl.types import EpisodeStatus, Task
 
 _META_TAIL = 8192
+_ENV_LIMIT = 64 * 1024  # bytes of task JSON passed in ARBORL_TASK; larger goes to ARBORL_TASK_FILE
 
 
 @dataclass
@@ -119,17 +122,34 @@ class BlackBoxRunner:
         full_env = {**os.environ, **(env or {})}
         full_env.update(
             OPENAI_BASE_URL=self.base_url,
+            OPENAI_API_BASE=self.base_url,  # older clients read this name
             OPENAI_API_KEY=info.api_key,
             OPENAI_MODEL=self.gateway.model_name,
             ARBORL_SESSION_ID=sid,
-            ARBORL_TASK=json.dumps({"task_id": task.task_id, "prompt": task.prompt, "metadata": task.metadata}, default=str),
         )
-        if isinstance(task.prompt, str):
-            full_env["ARBORL_TASK_PROMPT"] = task.prompt
+        task_json = json.dumps({"task_id": task.task_id, "prompt": task.prompt, "metadata": task.metadata}, default=str)
+        task_file = None
+        if len(task_json) <= _ENV_LIMIT:
+            full_env["ARBORL_TASK"] = task_json
+            if isinstance(task.prompt, str):
+                full_env["ARBORL_TASK_PROMPT"] = task.prompt
+        else:  # too big for one environment variable (Linux caps each at 128 KiB)
+            fd, task_file = tempfile.mkstemp(prefix=f"arborl-task-{sid}-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(task_json)
+            full_env["ARBORL_TASK_FILE"] = task_file
         paths = (None, None)
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             paths = (self.log_dir / f"{sid}.stdout", self.log_dir / f"{sid}.stderr")
+        try:
+            return await self._run(command, info, full_env, cwd, paths, timeout_s)
+        finally:
+            if task_file:
+                os.unlink(task_file)
+
+    async def _run(self, command, info, full_env, cwd, paths, timeout_s) -> BlackBoxResult:
+        sid = info.session_id
         out, err = _Tail(self.max_output_bytes, paths[0]), _Tail(self.max_output_bytes, paths[1])
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()

@@ -60,6 +60,10 @@ class AsyncEngine:
     def version(self) -> int:
         return self.engine.version
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def load(self) -> int:
         """Requests in flight (waiting + running): what a router balances on."""
         return len(self._futures)
@@ -118,7 +122,7 @@ class AsyncEngine:
         def on_token(seq: Sequence) -> None:
             i = len(seq.output) - 1
             ev = TokenEvent(seq.output[i], seq.logprobs[i], seq.sample_logprobs[i], seq.versions[i], i)
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
+            _deliver(loop, queue.put_nowait, ev)
 
         def add() -> None:
             self.engine.add_request(request, on_token if stream else None)  # raises on invalid input
@@ -142,9 +146,9 @@ class AsyncEngine:
             try:
                 value = fn()
             except Exception as e:
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                _deliver(loop, _set_exception, fut, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, value)
+                _deliver(loop, _set_result, fut, value)
 
         self._command(run)
         return await fut
@@ -179,15 +183,23 @@ class AsyncEngine:
             return
         loop, fut = entry
         if error is None:
-            loop.call_soon_threadsafe(_set_result, fut, result)
+            _deliver(loop, _set_result, fut, result)
         else:
-            loop.call_soon_threadsafe(_set_exception, fut, error)
+            _deliver(loop, _set_exception, fut, error)
 
     def _fail_in_flight(self, cause: Exception) -> None:
         err = cause if isinstance(cause, EngineError) else EngineError(f"engine step failed: {cause!r}")
         self.engine.drop_all()
         for rid in list(self._futures):
             self._resolve(rid, None, err)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Hand a value to a caller's loop; a caller whose loop is gone is dropped, never the engine."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # event loop is closed
+        pass
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
