@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
+# the default job: calculator tool use on SmolLM2-135M-Instruct, CPU; outputs in runs/<name>/
+RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
-	$(VENV)/bin/arborl train
+	$(VENV)/bin/arborl train --set name=$(RUN)
 
 test: venv
 	$(PY) -m pytest -q

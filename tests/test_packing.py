@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from arborl.models import tiny_llama
@@ -102,9 +102,13 @@ def assert_same(a, b, rel: float) -> None:
     assert torch.allclose(la, lb, rtol=rel, atol=rel * 1e-3), (la, lb)
     for x, y in zip(lpa, lpb):
         assert torch.allclose(x, y, rtol=rel, atol=rel * 1e-2)
+    # relative to each parameter's largest gradient entry, floored at 1% of the largest entry of
+    # all: a gradient that is zero in exact arithmetic (a key that only its own query sees) is
+    # float rounding noise of the size of the other gradients' terms, not a relative quantity.
+    floor = 1e-2 * max(float(y.abs().max()) for y in gb if y.numel())
     for x, y in zip(ga, gb):
-        scale = float(y.abs().max()) if y.numel() else 0.0
-        assert float((x - y).abs().max()) <= rel * max(scale, 1e-12) + 1e-12, (float((x - y).abs().max()), scale)
+        scale = max(float(y.abs().max()) if y.numel() else 0.0, floor, 1e-12)
+        assert float((x - y).abs().max()) <= rel * scale, (float((x - y).abs().max()), scale)
 
 
 # --------------------------------------------------------------------------- layout (no model)
@@ -217,6 +221,7 @@ def test_tree_loss_and_every_gradient_equal_flat_float64(samples, budget, block,
 
 @settings(max_examples=12, deadline=None)
 @given(samples=sample_sets(), budget=st.sampled_from([5, 4096]), arch=st.sampled_from(["llama", "qwen2"]), seed=st.integers(0, 99))
+@example(samples=[[0], [0, 0, 0]], budget=5, arch="llama", seed=0)  # a gradient that is 0 up to rounding
 def test_tree_loss_and_every_gradient_equal_flat_float32_tied(samples, budget, arch, seed):
     model = model_for(torch.float32, True, arch)
     flat = loss_and_grads(model, pack(samples, mode="flat", token_budget=budget), samples, seed, block_size=4)

@@ -136,3 +136,19 @@ def test_lora_trains_adapters_and_publishes_merged_weights():
         untouched = model()(ids).logits
     assert torch.allclose(got, want, atol=1e-4)  # (W + sBA)x vs Wx + sBAx: float32 rounding only
     assert not torch.allclose(got, untouched, atol=1e-4)
+
+
+def test_trainer_scores_the_tempered_policy():
+    m = model()
+    samples = make_samples(30)
+    with torch.no_grad():
+        for s in samples:  # rollout log-probs under softmax(logits / 0.5), as the engine reports them
+            logits = m(torch.tensor([s.token_ids])).logits[0, :-1] / 0.5
+            lp = torch.log_softmax(logits, -1)[torch.arange(len(s.token_ids) - 1), torch.tensor(s.token_ids[1:])]
+            s.rollout_logprobs = [0.0] + [float(x) if k else 0.0 for x, k in zip(lp, s.loss_mask[1:])]
+    hot = Trainer(model(), TrainConfig(), temperature=0.5).train_step(samples)
+    cold = Trainer(model(), TrainConfig()).train_step(samples)
+    assert hot["mismatch/logp_abs_diff_max"] < 1e-4
+    assert cold["mismatch/logp_abs_diff_max"] > 1e-2
+    with pytest.raises(Exception, match="temperature"):
+        Trainer(model(), TrainConfig(), temperature=0.0)

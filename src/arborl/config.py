@@ -215,7 +215,7 @@ class TrainConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="training-inference mismatch correction")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
@@ -245,11 +245,20 @@ class RolloutConfig(Section):
     """The rollout controller: which tasks, how many per step, how episodes are sampled."""
 
     task: Literal["calculator", "even_tokens"] = Field("calculator", description="task suite (tasks/)")
-    steps: int = Field(12, ge=0, description="training steps (one optimiser step each)")
+    steps: int = Field(10, ge=0, description="training steps (one optimiser step each)")
     batch_tasks: int = Field(8, ge=1, description="tasks per step (B)")
     group_size: int = Field(4, ge=1, description="episodes per task per step (G), the GRPO group")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature of training episodes")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of training episodes")
+    temperature: float = Field(
+        0.7,
+        gt=0,
+        description="sampling temperature of training episodes; the trainer optimises softmax(logits / T), the "
+        "policy the episodes were drawn from",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="nucleus sampling of training episodes (< 1 makes the rollout distribution differ from the "
+        "trainer's; the correction metrics show by how much)",
+    )
     max_tokens: int = Field(48, ge=1, description="completion tokens per model call")
     max_turns: int = Field(3, ge=1, description="model calls per episode (tool rounds + final answer)")
     in_context_example: bool = Field(True, description="calculator: put one worked example in the prompt")

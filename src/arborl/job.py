@@ -60,7 +60,7 @@ def train(cfg: Config, *, resume: bool = False, console: Console | None = None) 
     t_start = time.perf_counter()
     loaded = load_model(cfg.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
-    trainer = Trainer(loaded.model, cfg.train)
+    trainer = Trainer(loaded.model, cfg.train, temperature=cfg.rollout.temperature)
     start_step, summary_prev = 0, {}
     if resume:
         if not ckpt.exists():

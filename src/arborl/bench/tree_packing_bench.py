@@ -12,7 +12,7 @@ Workloads (each micro-batch is one ``pack`` call: one GRPO group, or one questio
   system prompt;
 * ``low``: little sharing (about 5%): ``mode="auto"`` must choose flat, so it is never slower.
 
-Every workload runs flat and auto (tree where it pays) alternately, A B A B, in one process;
+Every workload runs flat and auto (tree where it pays) alternately, A B B A, in one process;
 speedups are the median of the per-pair ratios (the machine is shared and noisy). The same loss
 (a GRPO policy-gradient loss on response tokens, per-sample advantages) is backpropagated
 through both, and ``grad_max_rel_diff`` is the largest max|g_tree - g_flat| / max|g_flat|
@@ -162,7 +162,7 @@ def run(quick: bool, console: Console) -> dict:
     arng = random.Random(1)
     advantages = {k: [[arng.gauss(0, 1) for _ in b] for b in w.batches] for k, w in loads.items()}
 
-    console.print(f"[bold]tree-packing[/bold]: {loaded.name}, CPU, torch threads={torch.get_num_threads()}, reps={reps} (A B A B)")
+    console.print(f"[bold]tree-packing[/bold]: {loaded.name}, CPU, torch threads={torch.get_num_threads()}, reps={reps} (A B B A)")
     _step(model, _grpo(rng, vocab, 1, 32, 8), "flat", [[1.0] * GROUP])  # warm-up
 
     results: dict[str, dict] = {}
@@ -171,7 +171,7 @@ def run(quick: bool, console: Console) -> dict:
         times: dict[str, list[float]] = {"flat": [], "auto": []}
         figs: dict[str, dict] = {}
         for rep in range(reps if name != "low" else 2 * reps):
-            for mode in ("flat", "auto"):
+            for mode in ("flat", "auto") if rep % 2 == 0 else ("auto", "flat"):  # A B B A: no order bias
                 secs, f = _step(model, work, mode, advantages[name])
                 times[mode].append(secs)
                 figs[mode] = f

@@ -125,12 +125,16 @@ class SyncController:
             stats.zero_variance_groups = len({g for g, z in zip(groups, zero.tolist()) if z})
             keep = ~zero
         adv = grpo_advantages(rewards, groups, std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)
+        tempered = self.cfg.rollout.temperature != 1.0
         samples: list[Sample] = []
         for e, a, k in zip(usable, adv.tolist(), keep.tolist()):
             if not k:
                 continue
             for st in episode_samples(e.calls):
-                samples.append(st.to_sample(group_id=e.group_id, reward=e.reward, advantages=a))
+                s = st.to_sample(group_id=e.group_id, reward=e.reward, advantages=a)
+                if tempered:  # the trainer scores softmax(logits / T): compare with the same distribution
+                    s.rollout_logprobs = list(st.sample_logprobs)
+                samples.append(s)
         stats.samples = len(samples)
         return samples, stats
 

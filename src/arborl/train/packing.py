@@ -150,7 +150,7 @@ def _tree_layout(samples: list[list[int]], budget: int) -> tuple[_Layout, list[l
         if s:
             tree.insert(s)
     lay = _Layout()
-    # the instance of each node in the current row: node id -> packed start; plus the open path
+    # where each node sits in the current row (node id -> packed start), original or repeated
     where: dict[int, int] = {}
     own_row: dict[int, dict[int, int]] = {}  # end node id -> the row's `where` it was placed in
     stack: list[tuple[RadixNode[None], int]] = []  # open path of the current row: (node, start)
@@ -254,11 +254,12 @@ def pack(
 # --------------------------------------------------------------------------- forward
 
 
-def _padded_rows(batch: PackedBatch, device: torch.device):
-    """Rows as a padded batch [rows, L]; pads see only themselves. Returns ids, pos, end, real
-    (flat indices of the real tokens in the [rows * L] layout, in packed order)."""
+def _padded_rows(batch: PackedBatch, device: torch.device, multiple: int = 1):
+    """Rows as a padded batch [rows, L] (L rounded up to ``multiple``); pads see only themselves.
+    Returns ids, pos, end, real (flat indices of the real tokens in the [rows * L] layout, in
+    packed order)."""
     lengths = batch.row_lengths
-    R, L = len(lengths), max(lengths)
+    R, L = len(lengths), -(-max(lengths) // multiple) * multiple
     ids = torch.zeros(R, L, dtype=torch.long)
     pos = torch.zeros(R, L, dtype=torch.long)
     end = torch.arange(1, L + 1).repeat(R, 1)
@@ -274,12 +275,12 @@ def _padded_rows(batch: PackedBatch, device: torch.device):
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[False] = ..., attention: Backend = ...,
-    block_size: int = ...,
+    block_size: int = ..., temperature: float = ...,
 ) -> list[torch.Tensor]: ...
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[True], attention: Backend = ...,
-    block_size: int = ...,
+    block_size: int = ..., temperature: float = ...,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
@@ -290,6 +291,7 @@ def packed_logprobs(
     with_entropy: bool = False,
     attention: Backend = "auto",
     block_size: int = DEFAULT_BLOCK_SIZE,
+    temperature: float = 1.0,
 ):
     """Per-sample next-token log-probs (and entropies) of ``batch`` under ``model``.
 
@@ -298,6 +300,9 @@ def packed_logprobs(
     entropy of the same next-token distribution, aligned the same way. Both differentiable,
     float32 at least (float64 for a float64 model). Every packed position's logits are computed
     once, however many samples share it.
+
+    ``temperature``: log-probs of softmax(logits / temperature), the distribution a sampler at
+    that temperature draws from (train the policy you sample from).
 
     ``attention``: ``auto`` (flex_attention where it runs forward and backward, i.e. CUDA;
     else ``blocks``), ``blocks`` (block-sparse SDPA over one concatenated sequence; the CPU
@@ -322,7 +327,8 @@ def packed_logprobs(
             model, batch.input_ids.to(device)[None], batch.position_ids.to(device)[None], lambda _: attend
         )[0]
     else:
-        ids, pos, end, real = _padded_rows(batch, device)
+        # flex: a few padded lengths, so that the compiled kernel is not rebuilt for every batch
+        ids, pos, end, real = _padded_rows(batch, device, 128 if backend == "flex" else 1)
         attend = dense_attend(end, scale, gqa) if backend == "dense" else flex_attend(end, scale, gqa)
         hidden = decoder_hidden(model, ids, pos, lambda _: attend)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real)
@@ -331,6 +337,8 @@ def packed_logprobs(
     logits = lm_logits(model, hidden.index_select(0, batch.logit_pos.to(device)))
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     pair = batch.pair_logit.to(device)
     logp = logits[pair, batch.pair_target.to(device)] - lse[pair]

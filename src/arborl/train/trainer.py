@@ -23,27 +23,37 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from arborl.config import TrainConfig
+from arborl.prefix import RadixTree
 from arborl.train.corrections import rollout_correction
 from arborl.train.losses import policy_loss
 from arborl.train.packing import pack, packed_logprobs
 from arborl.types import InvalidRequestError, Sample
 
 
-def micro_batches(samples: list[Sample], token_budget: int) -> list[list[int]]:
-    """Indices of ``samples`` split into micro-batches of at most ``token_budget`` flat tokens
-    (a longer sample goes alone). Samples of one group stay adjacent, so their shared prompt can be
-    packed as one prefix tree."""
+def micro_batches(samples: list[Sample], token_budget: int, *, tree: bool = False) -> list[list[int]]:
+    """Indices of ``samples`` split into micro-batches of at most ``token_budget`` tokens to compute
+    (a longer sample goes alone): flat tokens, or with ``tree`` the tokens of their prefix tree, so
+    samples sharing prefixes fill a micro-batch by what the forward really computes. Samples of one
+    group stay adjacent, so their shared prompt is packed once."""
     order = sorted(range(len(samples)), key=lambda i: (samples[i].group_id, i))
     batches: list[list[int]] = []
     current: list[int] = []
-    used = 0
+    prefixes: RadixTree[None] = RadixTree()
+    flat = 0
     for i in order:
-        n = len(samples[i].token_ids)
-        if current and used + n > token_budget:
+        tokens = samples[i].token_ids
+        if tree:
+            prefixes.insert(tokens)
+            used = prefixes.total_tokens
+        else:
+            flat += len(tokens)
+            used = flat
+        if current and used > token_budget:
             batches.append(current)
-            current, used = [], 0
+            current, prefixes, flat = [], RadixTree(), len(tokens)
+            if tree:
+                prefixes.insert(tokens)
         current.append(i)
-        used += n
     if current:
         batches.append(current)
     return batches
@@ -72,8 +82,14 @@ def _merge_metrics(acc: dict[str, list[tuple[float, float]]]) -> dict[str, float
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, *, temperature: float = 1.0) -> None:
+        """``temperature``: the sampling temperature of the rollouts; the trainer optimises
+        softmax(logits / temperature), the policy the samples came from (their rollout log-probs
+        must be under that distribution too)."""
+        if temperature <= 0:
+            raise InvalidRequestError("the trainer's temperature must be > 0 (greedy rollouts cannot be trained on)")
         self.cfg = cfg
+        self.temperature = temperature
         self.model = self._with_lora(model) if cfg.lora_rank > 0 else model
         # the HF model whose modules we run (under LoRA: the base model with adapters injected)
         self.policy = self.model.get_base_model() if cfg.lora_rank > 0 else self.model
@@ -115,7 +131,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
         packed_tokens = flat_tokens = 0
-        for idx in micro_batches(samples, cfg.micro_batch_tokens):
+        for idx in micro_batches(samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
             mb = [samples[i] for i in idx]
             batch = pack(
                 [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
@@ -124,7 +140,7 @@ class Trainer:
             packed_tokens += batch.tokens_packed
             flat_tokens += batch.tokens_flat
             want_entropy = cfg.loss.entropy_coef > 0
-            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy)
+            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy, temperature=self.temperature)
             lps, ents = out if want_entropy else (out, None)
             logp = pad_sequence(lps, batch_first=True)
             entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
@@ -165,10 +181,10 @@ class Trainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch) -> torch.Tensor:
         if self.ref_model is not None:
-            lps = packed_logprobs(self.ref_model, batch)
+            lps = packed_logprobs(self.ref_model, batch, temperature=self.temperature)
         else:  # LoRA: the base model is the model with its adapters off
             with self.model.disable_adapter():
-                lps = packed_logprobs(self.policy, batch)
+                lps = packed_logprobs(self.policy, batch, temperature=self.temperature)
         return pad_sequence(lps, batch_first=True)
 
     # -- weights for the engines ------------------------------------------------------------------

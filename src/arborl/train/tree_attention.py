@@ -144,10 +144,11 @@ def dense_attend(vis_end: torch.Tensor, scale: float, gqa: bool) -> Attend:
     return attend
 
 
-def _flex_fn(device_type: str, compiled: bool):
+@functools.lru_cache(maxsize=2)
+def _flex_fn(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return torch.compile(flex_attention) if compiled else flex_attention
 
 
 def flex_attend(vis_end: torch.Tensor, scale: float, gqa: bool, *, compiled: bool | None = None) -> Attend:
@@ -164,7 +165,7 @@ def flex_attend(vis_end: torch.Tensor, scale: float, gqa: bool, *, compiled: boo
         return (kv_idx <= q_idx) & (q_idx < vis_end[b, kv_idx])
 
     block_mask = create_block_mask(mask_mod, rows, None, L, L, device=str(device))
-    fn = _flex_fn(device.type, compiled)
+    fn = _flex_fn(compiled)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with warnings.catch_warnings():

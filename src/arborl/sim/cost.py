@@ -1,0 +1,105 @@
+"""The cost model of one engine instance, and its fit to measurements of the built-in engine.
+
+    decode step (s)  = decode_base_s + decode_per_seq_s * batch + decode_per_ctx_token_s * sum(context)
+    prefill (s)      = prefill_base_s + prefill_per_token_s * tokens
+    KV migration (s) = transfer_per_token_s * tokens          (scheduling.migration = transfer)
+
+``fit_decode`` / ``fit_prefill`` are least-squares fits of those lines to (batch, context, seconds)
+and (tokens, seconds) measurements; ``arborl.sim.calibrate`` takes the measurements on the built-in
+engine. The defaults describe a GPU serving instance (a ~30B dense model on 8 accelerators: a flat
+step time dominated by reading the weights, KV reads proportional to the context), not this CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CostModel:
+    decode_base_s: float = 0.020
+    decode_per_seq_s: float = 5e-5
+    decode_per_ctx_token_s: float = 1.0e-8
+    prefill_base_s: float = 0.005
+    prefill_per_token_s: float = 2.0e-5
+    transfer_per_token_s: float = 2.0e-6
+    kv_capacity_tokens: int = 1_000_000
+    max_batch: int = 256
+    weight_update_s: float = 20.0
+
+    def step_s(self, batch: int, context: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context
+
+    def steps_s(self, batch: int, context: int, steps: int) -> float:
+        """Seconds of ``steps`` decode steps of a fixed batch whose total context starts at ``context``
+        and grows by ``batch`` tokens a step."""
+        if steps <= 0:
+            return 0.0
+        return steps * self.step_s(batch, context) + self.decode_per_ctx_token_s * batch * steps * (steps - 1) / 2
+
+    def steps_within(self, batch: int, context: int, seconds: float) -> int:
+        """Fewest steps whose duration reaches ``seconds`` (ceil of the quadratic's root)."""
+        if seconds <= 0:
+            return 0
+        qa = self.decode_per_ctx_token_s * batch / 2
+        qb = self.step_s(batch, context) - qa
+        if qa <= 1e-18:
+            s = seconds / qb
+        else:
+            s = (-qb + (qb * qb + 4 * qa * seconds) ** 0.5) / (2 * qa)
+        n = max(1, int(np.ceil(s - 1e-9)))
+        while n > 1 and self.steps_s(batch, context, n - 1) >= seconds:
+            n -= 1
+        while self.steps_s(batch, context, n) < seconds:
+            n += 1
+        return n
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * tokens if tokens > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Fit:
+    params: dict[str, float]
+    r2: float
+    max_rel_err: float
+    points: list[tuple]  # inputs..., measured, predicted
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "r2": self.r2, "max_rel_err": self.max_rel_err,
+                "points": [list(p) for p in self.points]}
+
+
+def _lstsq(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float, np.ndarray]:
+    # relative-error weighting: every point counts the same whatever its scale
+    w = 1.0 / np.maximum(y, 1e-12)
+    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+    coef = np.maximum(coef, 0.0)  # a cost is never negative
+    pred = X @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1e-30
+    return coef, 1 - ss_res / ss_tot, float(np.max(np.abs(pred - y) / y)), pred
+
+
+def fit_decode(points: list[tuple[int, int, float]]) -> Fit:
+    """points: (batch, total context tokens, seconds per decode step)."""
+    B = np.array([p[0] for p in points], float)
+    C = np.array([p[1] for p in points], float)
+    y = np.array([p[2] for p in points], float)
+    coef, r2, err, pred = _lstsq(np.stack([np.ones_like(B), B, C], 1), y)
+    params = {"decode_base_s": float(coef[0]), "decode_per_seq_s": float(coef[1]), "decode_per_ctx_token_s": float(coef[2])}
+    return Fit(params, r2, err, [(int(b), int(c), float(m), float(p)) for b, c, m, p in zip(B, C, y, pred)])
+
+
+def fit_prefill(points: list[tuple[int, float]]) -> Fit:
+    """points: (prompt tokens, seconds of their prefill)."""
+    n = np.array([p[0] for p in points], float)
+    y = np.array([p[1] for p in points], float)
+    coef, r2, err, pred = _lstsq(np.stack([np.ones_like(n), n], 1), y)
+    params = {"prefill_base_s": float(coef[0]), "prefill_per_token_s": float(coef[1])}
+    return Fit(params, r2, err, [(int(a), float(m), float(p)) for a, m, p in zip(n, y, pred)])
