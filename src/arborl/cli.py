@@ -98,5 +98,28 @@ def eval_cmd(
     print(json.dumps(result, sort_keys=True))
 
 
+@app.command()
+def simulate(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (defaults: the Seer-like workload of `sim`)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+    full: bool = typer.Option(False, "--full", help="every figure of every policy, not only the headline ones"),
+) -> None:
+    """Simulate a rollout cluster under each policy of sim.policies; prints one JSON object of figures."""
+    from arborl.config import load_config
+    from arborl.sim import SimDeadlock
+    from arborl.sim import simulate as run_simulation
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        cfg = load_config(config, overrides)
+        result = run_simulation(cfg, full=full, progress=lambda v, f: console.print(
+            f"  {v}: {f['time_s']:.0f} s simulated, {f['train_tokens_per_s']:.0f} trained tokens/s ({f['wall_s']:.1f} s)"))
+    except (ArborlError, ValueError, SimDeadlock) as e:  # bad config, unknown policy name, stuck workload
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    print(json.dumps(result, sort_keys=True))
+
+
 if __name__ == "__main__":
     app()

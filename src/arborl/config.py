@@ -269,6 +269,124 @@ class RolloutConfig(Section):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
 
 
+class SchedulingConfig(Section):
+    """Rollout scheduling for the long tail: consumption policy (S1, S2, S4), dispatch (S5, S6), partial rollout."""
+
+    consume: Literal["sync", "async_ratio", "windowed_fifo"] = Field(
+        "sync",
+        description="what the trainer may consume: sync = on-policy, the step waits for its batch; async_ratio = ROLL's "
+        "bounded staleness; windowed_fifo = Forge's generation-order window",
+    )
+    async_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="α: generation runs at most α batches ahead of training and async_ratio trains no sample older "
+        "than ceil(α) versions (α = 1: one version); also the look-ahead of windowed_fifo (batches)",
+    )
+    window: float = Field(
+        0.3,
+        gt=0,
+        description="W of windowed_fifo as a fraction of the batch (Forge: 0.3): only finished items fewer than W "
+        "items after the oldest unfinished one may be consumed (fraction of batch items)",
+    )
+    max_version_gap: int | None = Field(
+        None,
+        ge=0,
+        description="slime S4, composes with any policy: drop a finished item whose oldest token is more than this "
+        "many versions behind the trainer (versions; None = off)",
+    )
+    oversample: float = Field(
+        0.0,
+        ge=0,
+        description="sync: start (1 + oversample) x batch items per step, train the first batch to finish and cancel "
+        "the surplus (fraction of the batch)",
+    )
+    dispatch: Literal["pinned", "seer"] = Field(
+        "pinned",
+        description="where requests run: pinned = each group pinned to one engine instance (veRL-like); seer = one "
+        "global queue, divided rollout, probes first, then longest estimated group first",
+    )
+    chunk_tokens: int = Field(
+        4096,
+        ge=0,
+        description="seer divided rollout: most new tokens a request generates before it returns to the global "
+        "queue (tokens; 0 = whole requests)",
+    )
+    context_aware: bool = Field(
+        True, description="seer: one probe per group first, then longest group-length estimate first (false: FIFO queue)"
+    )
+    starvation_s: float = Field(
+        600.0,
+        ge=0,
+        description="seer anti-starvation: a request queued this long runs before all others, oldest first "
+        "(seconds; 0 = off)",
+    )
+    partial_rollout: Literal["continue", "abort_resume"] = Field(
+        "continue",
+        description="requests in flight at a weight update: continue (later tokens carry the new version) or are "
+        "aborted and resumed from their tokens through the queue",
+    )
+    stale_token_mask: int | None = Field(
+        None,
+        ge=0,
+        description="partial rollout: loss-mask tokens produced by a policy more than this many versions behind the "
+        "trainer (versions; None = train on all)",
+    )
+    migration: Literal["recompute", "transfer"] = Field(
+        "recompute",
+        description="a request continuing on another engine instance: recompute its KV (prefill) or transfer the "
+        "KV from the instance that holds it",
+    )
+    timeline: bool = Field(
+        True, description="record per-request rollout events and write a Gantt PNG per step into the run directory"
+    )
+
+
+class SimConfig(Section):
+    """`arborl simulate`: a workload and a cluster (cost model) to compare scheduling policies on."""
+
+    policies: list[str] = Field(
+        default_factory=lambda: ["sync/pinned", "sync/seer", "async_ratio/pinned", "windowed_fifo/pinned"],
+        description="variants to compare, each consume/dispatch (names of scheduling.consume and scheduling.dispatch); "
+        "the other scheduling knobs apply to all",
+    )
+    prompts: int = Field(400, ge=1, description="groups per training batch (N, prompts)")
+    group_size: int = Field(8, ge=1, description="episodes per group (G)")
+    steps: int = Field(2, ge=1, description="training steps simulated (batches consumed)")
+    instances: int = Field(32, ge=1, description="engine instances (each one model replica)")
+    prompt_tokens: int = Field(1024, ge=1, description="prompt length of every episode (tokens)")
+    length_median: float = Field(
+        8192.0, gt=0, description="median generated length per turn, lognormal (tokens)"
+    )
+    sigma_prompt: float = Field(1.0, ge=0, description="log-sd of the per-prompt length scale (spread between groups)")
+    sigma_member: float = Field(0.35, ge=0, description="log-sd of member noise around its prompt's scale (spread inside a group)")
+    max_tokens: int = Field(65536, ge=1, description="cap of generated tokens per request (tokens)")
+    min_tokens: int = Field(16, ge=1, description="floor of generated tokens per request (tokens)")
+    turns: int = Field(1, ge=1, description="most turns per episode; each member draws 1..turns uniformly (1 = single call)")
+    obs_tokens: int = Field(0, ge=0, description="tokens an environment observation adds to the context per turn (tokens)")
+    env_median_s: float = Field(0.0, ge=0, description="median environment latency after each turn, lognormal (seconds; 0 = none)")
+    env_sigma: float = Field(1.0, ge=0, description="log-sd of the environment latency")
+    train_base_s: float = Field(30.0, ge=0, description="trainer time per step, fixed part (seconds)")
+    train_per_ktoken_s: float = Field(0.01, ge=0, description="trainer time per 1000 trained tokens (seconds)")
+    decode_base_s: float = Field(0.02, ge=0, description="decode step time, fixed part (seconds)")
+    decode_per_seq_s: float = Field(5e-5, ge=0, description="decode step time per sequence in the batch (seconds)")
+    decode_per_ctx_token_s: float = Field(
+        1e-8, ge=0, description="decode step time per token of context summed over the batch, attention KV reads (seconds)"
+    )
+    prefill_base_s: float = Field(0.005, ge=0, description="prefill time, fixed part per admission (seconds)")
+    prefill_per_token_s: float = Field(2e-5, ge=0, description="prefill time per prompt token (seconds)")
+    transfer_per_token_s: float = Field(
+        2e-6, ge=0, description="KV transfer time per token when scheduling.migration=transfer (seconds)"
+    )
+    kv_capacity_tokens: int = Field(
+        1_000_000, ge=1, description="KV memory of one instance; beyond it the newest sequence is preempted (tokens)"
+    )
+    max_batch: int = Field(256, ge=1, description="most sequences one instance decodes together")
+    weight_update_s: float = Field(20.0, ge=0, description="pause of every instance to load new weights (seconds)")
+    seed: int = Field(0, description="seed of the workload's lengths and latencies")
+    gantt_dir: str | None = Field(None, description="write one Gantt PNG per policy into this directory (None = none)")
+
+
 class Config(Section):
     """The whole run."""
 
@@ -283,6 +401,10 @@ class Config(Section):
     )
     train: TrainConfig = Field(default_factory=TrainConfig, description="policy optimisation: advantages, loss, correction")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="episodes per step and their sampling")
+    scheduling: SchedulingConfig = Field(
+        default_factory=SchedulingConfig, description="rollout scheduling: consumption, dispatch, partial rollout"
+    )
+    sim: SimConfig = Field(default_factory=SimConfig, description="`arborl simulate` workload and cluster")
 
     @property
     def run_dir(self) -> Path:

@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "arborl.bench.engine_bench:run",
     "gateway": "arborl.bench.gateway_bench:run",
     "tree-packing": "arborl.bench.tree_packing_bench:run",
+    "scheduling": "arborl.bench.scheduling_bench:run",
 }
 
 

@@ -32,6 +32,7 @@ class Admit:
     home_tokens: int = 0  # how many tokens of KV it holds there
     priority: int = 0
     seed: int = 0
+    reserve: int = 0  # a bounded chunk: KV tokens the instance reserves for its growth (0 = unbounded, none)
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class Instance(Protocol):
     version: int
 
     def has_room(self) -> bool: ...
+
+    def load(self) -> float: ...
 
     def admit(self, a: Admit, now: float) -> None: ...
 
@@ -74,6 +77,7 @@ class _Run:
     order: int = 0
     vmin: int = 0
     recompute: bool = False  # preempted: its KV is gone
+    res: int = 0  # KV still reserved for its growth
 
 
 @dataclass
@@ -101,6 +105,7 @@ class SimInstance:
         self.running: list[_Run] = []
         self.waiting: deque[_Run] = deque()
         self.kv_used = 0
+        self._reserved = 0  # tokens bounded chunks may still add
         self.cache: OrderedDict[str, int] = OrderedDict()
         self.cache_tokens = 0
         self._orders = 0
@@ -109,7 +114,13 @@ class SimInstance:
     # -- driver interface -------------------------------------------------------------------------
     def has_room(self) -> bool:
         c = self.cost
-        return not self.waiting and len(self.running) < c.max_batch and self.kv_used < ADMIT_WATERMARK * c.kv_capacity_tokens
+        return not self.waiting and len(self.running) < c.max_batch and self._committed() < ADMIT_WATERMARK * c.kv_capacity_tokens
+
+    def load(self) -> float:
+        """Share of the batch slots or of the KV memory in use, whichever is higher (the driver fills the
+        least loaded instance first)."""
+        c = self.cost
+        return max(len(self.running) / c.max_batch, self._committed() / c.kv_capacity_tokens)
 
     def admit(self, a: Admit, now: float) -> None:
         self.clock = max(self.clock, now)
@@ -146,6 +157,7 @@ class SimInstance:
             if r.a.request_id == request_id:
                 self.running.pop(i)
                 self.kv_used -= r.ctx
+                self._reserved -= r.res
                 self._cache_put(r.a.lineage, r.ctx)
                 self._admit_waiting()
                 return r.done
@@ -184,6 +196,10 @@ class SimInstance:
         }
 
     # -- internals --------------------------------------------------------------------------------
+    def _committed(self) -> int:
+        """KV in use plus what bounded chunks may still add."""
+        return self.kv_used + self._reserved
+
     def _overflowing(self) -> bool:
         return len(self.running) > 1 and self.kv_used + len(self.running) > self.cost.kv_capacity_tokens
 
@@ -192,6 +208,8 @@ class SimInstance:
             victim = max(self.running, key=lambda r: r.order)
             self.running.remove(victim)
             self.kv_used -= victim.ctx
+            self._reserved -= victim.res
+            victim.res = 0
             victim.recompute = True
             self.waiting.appendleft(victim)
             self.st.preemptions += 1
@@ -215,6 +233,10 @@ class SimInstance:
             r.ctx += s
             r.left -= s
             r.done += s
+            if r.res:
+                dec = min(s, r.res)
+                r.res -= dec
+                self._reserved -= dec
         self.kv_used += B * s
         self._evict()
 
@@ -224,6 +246,8 @@ class SimInstance:
         for r in self.running:
             if r.left <= 0:
                 self.kv_used -= r.ctx
+                self._reserved -= r.res
+                r.res = 0
                 self._cache_put(r.a.lineage, r.ctx)
                 ends.append(ChunkEnd(r.a.request_id, r.done, self.clock, r.vmin, self.version))
             else:
@@ -237,7 +261,8 @@ class SimInstance:
         c = self.cost
         while self.waiting and len(self.running) < c.max_batch:
             r = self.waiting[0]
-            if self.running and self.kv_used + r.ctx > ADMIT_WATERMARK * c.kv_capacity_tokens:
+            grow = max(0, r.a.reserve - r.done)
+            if self.running and self._committed() + r.ctx + grow > ADMIT_WATERMARK * c.kv_capacity_tokens:
                 break
             self.waiting.popleft()
             cached = 0 if r.recompute else self._cache_take(r.a.lineage)
@@ -257,6 +282,8 @@ class SimInstance:
             r.vmin = self.version
             self.running.append(r)
             self.kv_used += r.ctx
+            r.res = grow
+            self._reserved += grow
             self._evict()
 
     def _cache_put(self, lineage: str, tokens: int) -> None:
