@@ -23,10 +23,10 @@ from arborl.engine import AsyncEngine
 from arborl.gateway.core import Gateway
 from arborl.gateway.samples import episode_samples
 from arborl.datapool import DataPool
-from arborl.rewards import grpo_advantages, zero_variance_mask
+from arborl.rewards import grpo_advantages, reward_to_go_advantages, turn_rewards, zero_variance_mask
 from arborl.tasks import TaskSuite
 from arborl.train.trainer import Trainer
-from arborl.types import Call, EpisodeStatus, Sample, Task
+from arborl.types import Call, EpisodeStatus, FinishReason, Sample, Task
 
 
 def episode_seed(*parts: Any) -> int:
@@ -45,6 +45,19 @@ class ScoredEpisode:
     components: dict[str, float]
     reward: float
     duration_s: float
+    process_rewards: list[dict[str, Any]] = field(default_factory=list)  # the agent's step rewards (C1)
+
+    def turn_process_rewards(self) -> list[float]:
+        """Process rewards summed per turn (turn k = the episode's k-th kept call, as in chunk ids):
+        a reward names its call, else the call it came after, else the last turn."""
+        kept = [c.call_id for c in self.calls if c.finish_reason != FinishReason.ABORT.value]
+        out = [0.0] * len(kept)
+        for r in self.process_rewards:
+            ref = r.get("call_id") or r.get("after_call")
+            k = kept.index(ref) if ref in kept else len(kept) - 1
+            if k >= 0:
+                out[k] += float(r["value"])
+        return out
 
     @property
     def usable(self) -> bool:
@@ -90,14 +103,15 @@ class SyncController:
     async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any]) -> ScoredEpisode:
         agent = self.suite.agent(sampling)
         run = await run_agent(self.gateway, agent, task, group_id=group_id, timeout_s=self.cfg.rollout.agent_timeout_s)
-        calls = await asyncio.to_thread(self.pool.calls, run.episode_id)
+        episode = await asyncio.to_thread(self.pool.get_episode, run.episode_id)
+        calls = episode.calls if episode else []
         components = self.suite.score(task, run.outcome, calls) if run.status == EpisodeStatus.FINISHED else {}
         reward = float(components.get("outcome", 0.0))
         await asyncio.to_thread(
             self.pool.update_episode, run.episode_id, reward=reward, reward_components=components
         )
         return ScoredEpisode(task, group_id, run.episode_id, run.status, run.outcome, calls, components, reward,
-                             run.duration_s)
+                             run.duration_s, list(episode.meta.get("rewards", [])) if episode else [])
 
     async def run_group_batch(self, tasks: list[Task], group_size: int, *, temperature: float, tag: str) -> list[ScoredEpisode]:
         jobs = []
@@ -124,14 +138,21 @@ class SyncController:
             zero = zero_variance_mask(rewards, groups, tol=adv_cfg.zero_variance_tol)
             stats.zero_variance_groups = len({g for g, z in zip(groups, zero.tolist()) if z})
             keep = ~zero
-        adv = grpo_advantages(rewards, groups, std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)
+        per_turn = adv_cfg.estimator == "reward_to_go"
+        if per_turn:  # C3 + C4: return from each turn to the end, minus the group mean, per chunk
+            turns = [turn_rewards(e.reward, len(p), p) for e in usable for p in [e.turn_process_rewards()]]
+            adv = reward_to_go_advantages(turns, groups, gamma=adv_cfg.gamma, std_normalize=adv_cfg.std_normalize,
+                                          eps=adv_cfg.eps)
+        else:
+            adv = grpo_advantages(rewards, groups, std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)
         tempered = self.cfg.rollout.temperature != 1.0
         samples: list[Sample] = []
         for e, a, k in zip(usable, adv.tolist(), keep.tolist()):
             if not k:
                 continue
             for st in episode_samples(e.calls):
-                s = st.to_sample(group_id=e.group_id, reward=e.reward, advantages=a)
+                token_adv = [a[c] * m for c, m in zip(st.chunk_ids, st.loss_mask)] if per_turn else a
+                s = st.to_sample(group_id=e.group_id, reward=e.reward, advantages=token_adv)
                 if tempered:  # the trainer scores softmax(logits / T): compare with the same distribution
                     s.rollout_logprobs = list(st.sample_logprobs)
                 samples.append(s)
