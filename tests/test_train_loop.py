@@ -69,3 +69,19 @@ def test_cli_refuses_to_overwrite_a_run_and_reports_bad_config(tmp_path):
     args = ["train", "--set", f"runs_dir={tmp_path}", "--set", "name=once"]
     out = runner.invoke(app, args)
     assert out.exit_code == 2 and "--resume" in out.output
+
+
+def test_eval_command_scores_a_checkpoint(tmp_path):
+    cfg = tiny_cfg(tmp_path, "ev", "rollout.steps=1", "rollout.eval_tasks=0")
+    train(cfg)
+    runner = CliRunner()
+    args = ["eval", "--checkpoint", str(cfg.run_dir / "checkpoint"), "--set", f"runs_dir={tmp_path}", "--set", "name=ev",
+            "--set", "model.source=tiny", "--set", "model.tiny_tokenizer=smollm2", "--set", "model.tiny_layers=1",
+            "--set", "model.tiny_hidden=32", "--set", "rollout.task=even_tokens", "--set", "rollout.eval_tasks=4",
+            "--set", "rollout.max_tokens=4", "--set", "engine.max_seq_len=256"]
+    out = runner.invoke(app, args)
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.0 <= result["eval_reward"] <= 1.0 and result["checkpoint"].endswith("checkpoint")
+    bad = runner.invoke(app, args[:1] + ["--checkpoint", str(tmp_path)] + args[3:])
+    assert bad.exit_code == 2 and "not a checkpoint" in " ".join(bad.output.split())
