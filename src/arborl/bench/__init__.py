@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "arborl.bench.gateway_bench:run",
     "tree-packing": "arborl.bench.tree_packing_bench:run",
     "scheduling": "arborl.bench.scheduling_bench:run",
+    "vs-trl": "arborl.bench.vs_trl_bench:run",
 }
 
 
