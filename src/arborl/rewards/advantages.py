@@ -145,7 +145,7 @@ def _turns(step_rewards: TurnRewards, turn_mask: Tensor | None) -> tuple[Tensor,
             raise ValueError(f"per-turn rewards must be [N, K], got shape {tuple(r.shape)}")
         m = torch.ones_like(r, dtype=torch.bool) if turn_mask is None else turn_mask.to(torch.bool)
         return torch.where(m, r, 0.0), m
-    r, m = pad_turns(step_rewards)
+    r, m = pad_turns(step_rewards, dtype=torch.float64)  # Python floats: keep their precision
     return r, (m if turn_mask is None else m & turn_mask.to(torch.bool))
 
 

@@ -202,6 +202,11 @@ class _Consume:
     def head(self) -> int:
         return self._head
 
+    @property
+    def forming(self) -> tuple[str, ...]:
+        """Items already taken into the next batch, in consumption order."""
+        return tuple(self._forming)
+
     def open_items(self) -> Iterable[Item]:
         return (it for it in self._by_seq[self._head :] if it.state in _OPEN)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 
 # ----------------------------------------------------------------------------------- consumption
@@ -82,8 +82,8 @@ class Assignment:
     instance: int
     max_new_tokens: int
     priority: int = 0  # engine priority (higher first): probes 2, starved 1, others 0
-    probe: bool = False
-    starved: bool = False
+    probe: bool = False  # the group's probe (its first request, while no member has finished)
+    starved: bool = False  # picked by the anti-starvation rule
 
 
 PRIORITY_PROBE = 2
@@ -176,5 +176,3 @@ def ahead_items(alpha: float, batch_size: int) -> int:
     """Items that may be started and not yet trained, counting the batch in training: (1 + α) N."""
     return max(1, math.floor((1.0 + alpha) * batch_size + 1e-9))
 
-
-Factory = Callable[[], Any]

@@ -134,7 +134,7 @@ class _Dispatch:
         probe = self._is_probe(r)
         self.counts["probes"] += probe
         self.counts["starved"] += starved
-        prio = PRIORITY_STARVED if starved else PRIORITY_PROBE if probe else 0
+        prio = PRIORITY_PROBE if probe else PRIORITY_STARVED if starved else 0
         return Assignment(r.request_id, r.group_id, instance, n, prio, probe, starved)
 
     def _is_probe(self, r: _Req) -> bool:

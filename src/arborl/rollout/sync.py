@@ -94,6 +94,7 @@ class SyncController:
         self.trainer = trainer
         self.suite = suite
         self.version = version
+        self._scheduled = None  # the async-consumption driver (rollout/scheduled.py), made on first use
 
     # -- episodes ---------------------------------------------------------------------------------
     def _sampling(self, temperature: float, seed: int) -> dict[str, Any]:
@@ -170,6 +171,12 @@ class SyncController:
 
     # -- one step, one evaluation -----------------------------------------------------------------
     async def train_step(self, step: int) -> dict[str, float]:
+        if self.cfg.scheduling.consume != "sync":  # async consumption (rollout/scheduled.py)
+            if self._scheduled is None:
+                from arborl.rollout.scheduled import ScheduledRollout
+
+                self._scheduled = ScheduledRollout(self)
+            return await self._scheduled.train_step(step)
         r = self.cfg.rollout
         t0 = time.perf_counter()
         tasks = self.suite.tasks("train", r.batch_tasks, seed=episode_seed(self.cfg.seed, "tasks", step) % 2**31)
@@ -182,6 +189,14 @@ class SyncController:
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
             publish_s = await self.publish()
         gen_tokens = sum(len(c.completion_token_ids) for e in episodes for c in e.calls)
+        if self.cfg.scheduling.timeline:
+            from arborl.rollout.scheduled import write_step_timeline
+            from arborl.rollout.timeline import Timeline
+
+            tl, wall0 = Timeline(), min((c.created_at - c.latency_s for e in episodes for c in e.calls), default=0.0)
+            for e in episodes:
+                tl.add_calls(e.calls, group_id=e.group_id, step=step, t0=wall0)
+            await asyncio.to_thread(write_step_timeline, tl, self.cfg.run_dir, step, f"{self.cfg.name} step {step + 1} (sync)")
         return {
             "step": step + 1,
             "reward": sum(e.reward for e in episodes) / len(episodes),

@@ -47,15 +47,29 @@ class Timeline:
         if o is not None:
             self.spans.append(Span(end=t, tokens=tokens, ended=ended, **o))
 
+    def add_calls(self, calls, *, group_id: str, step: int, t0: float) -> None:
+        """Spans of recorded gateway calls (``arborl.types.Call``: finished at ``created_at`` after
+        ``latency_s``); ``t0`` is the wall time (time.time()) the timeline starts at."""
+        for c in calls:
+            tail = c.engine_id.rsplit("-", 1)[-1]
+            end = c.created_at - t0
+            vs = c.versions or [0]
+            self.spans.append(Span(c.call_id, group_id, int(tail) if tail.isdigit() else 0, end - c.latency_s, end,
+                                   len(c.completion_token_ids), "finish" if c.finish_reason != "abort" else "cancel",
+                                   version=min(vs), step=step))
+
     def mark(self, t: float, kind: str, **info) -> None:
         self.events.append({"t": t, "kind": kind, **info})
 
-    def write_jsonl(self, path: str | Path) -> None:
-        with open(path, "w") as f:
+    def write_jsonl(self, path: str | Path, *, step: int | None = None, append: bool = False) -> None:
+        """Spans (and markers) as JSON lines; ``step`` keeps one trainer step's."""
+        with open(path, "a" if append else "w") as f:
             for s in self.spans:
-                f.write(json.dumps({"kind": "span", **asdict(s)}) + "\n")
+                if step is None or s.step == step:
+                    f.write(json.dumps({"kind": "span", **asdict(s)}) + "\n")
             for e in self.events:
-                f.write(json.dumps(e) + "\n")
+                if step is None or e.get("step") == step:
+                    f.write(json.dumps(e) + "\n")
 
     def gantt(self, path: str | Path, *, title: str = "rollout timeline", step: int | None = None,
               max_rows: int = 4000) -> Path:
@@ -73,7 +87,7 @@ class Timeline:
         row = {r: i for i, r in enumerate(order)}
         n_inst = max((s.instance for s in spans), default=0) + 1
         cmap = plt.get_cmap("tab20")
-        height = min(12.0, 2.0 + 0.004 * len(order) + 0.25 * min(n_inst, 8))
+        height = min(12.0, 3.0 + 0.004 * len(order) + 0.25 * min(n_inst, 8))
         fig, ax = plt.subplots(figsize=(12, height))
         for s in spans:
             if s.request_id not in row:

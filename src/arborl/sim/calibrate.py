@@ -1,10 +1,12 @@
 """Calibrate the simulator's cost model against the built-in engine: measure decode step times at a
 few batch sizes and contexts and prefill times at a few prompt lengths, then least-squares fit the
-lines of ``arborl.sim.cost`` (the fit and every point are returned so a bench can show them)."""
+lines of ``arborl.sim.cost`` (the fit and every point are returned so a bench can show them).
+
+Each point is the fastest of several repetitions: on a shared machine other processes only ever
+add time, so the minimum is the most repeatable estimate of what the engine itself costs."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -22,7 +24,7 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def measure_decode(model: nn.Module, vocab: int, *, batch: int, context: int, steps: int = 6, seed: int = 0) -> float:
-    """Median seconds of one decode step of ``batch`` sequences with ``context`` tokens each."""
+    """Seconds of one decode step of ``batch`` sequences with ``context`` tokens each (fastest step)."""
     eng = LLMEngine(model, EngineConfig(max_batch_size=batch, max_seq_len=context + steps + 8, prefix_cache=False),
                     eos_token_ids=[])
     params = SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True, seed=seed)
@@ -35,11 +37,11 @@ def measure_decode(model: nn.Module, vocab: int, *, batch: int, context: int, st
         eng.step()
         times.append(time.perf_counter() - t0)
     eng.run_until_done()
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_prefill(model: nn.Module, vocab: int, *, tokens: int, reps: int = 3, seed: int = 0) -> float:
-    """Median seconds to prefill one prompt of ``tokens`` tokens (and sample its first token)."""
+    """Seconds to prefill one prompt of ``tokens`` tokens and sample its first token (fastest of ``reps``)."""
     eng = LLMEngine(model, EngineConfig(max_batch_size=1, max_seq_len=tokens + 8, prefix_cache=False,
                                         prefill_chunk_tokens=max(16, tokens)), eos_token_ids=[])
     times = []
@@ -48,7 +50,7 @@ def measure_prefill(model: nn.Module, vocab: int, *, tokens: int, reps: int = 3,
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def calibrate(model: nn.Module, vocab: int, *, batches=(1, 4, 8, 16), contexts=(32, 256),

@@ -53,6 +53,7 @@ class _Req:
     target: int
     generated: int = 0
     instance: int | None = None
+    running: bool = False  # assigned to an instance and not back yet
     min_version: int | None = None
     max_version: int = 0
 
@@ -175,9 +176,9 @@ class RolloutDriver:
 
     # -- groups, episodes, requests ---------------------------------------------------------------
     def _enough_started(self) -> bool:
-        c = self.consume.counts
-        live = c["started"] - sum(self.consume.dropped.values()) - c["cancelled"] - c["failed"]
-        return live >= self.steps * self.consume.batch_size
+        """Start nothing once every batch of the run is taken; until then the policy alone decides
+        (so the last steps see the same competition for the engines as a longer run would)."""
+        return len(self.batches) >= self.steps
 
     def _start_groups(self) -> None:
         while not self._enough_started() and self.consume.can_start():
@@ -206,6 +207,7 @@ class RolloutDriver:
     def _handle_ends(self, i: int, ends: list[ChunkEnd]) -> None:
         for e in ends:
             r = self._reqs[e.request_id]
+            r.running = False
             g = r.ep.group
             self.generated += e.tokens
             if g.cancelled:
@@ -266,6 +268,7 @@ class RolloutDriver:
                 continue
             self._handle_ends(i, self.instances[i].sync_to(self.now))
             n = self.instances[i].abort(rid)
+            r.running = False
             self.generated += n
             self.wasted_tokens += n
             if self.timeline is not None:
@@ -322,16 +325,14 @@ class RolloutDriver:
         for i, inst in enumerate(self.instances):
             self._handle_ends(i, inst.sync_to(self.now))
             if self.partial == "abort_resume":
-                for rid in [r.rid for r in self._reqs.values() if r.instance == i and self._running(r)]:
+                for rid in [r.rid for r in self._reqs.values() if r.instance == i and r.running]:
                     n = inst.abort(rid)
+                    self._reqs[rid].running = False
                     self._resume(rid, n, i)
             inst.update_weights(v, self.now)
             self._touch(i)
         if self.timeline is not None:
             self.timeline.mark(self.now, "publish", step=v)
-
-    def _running(self, r: _Req) -> bool:
-        return self.dispatch.request(r.rid).state == "running" and not r.ep.group.cancelled
 
     def _resume(self, rid: str, tokens: int, i: int) -> None:
         """Partial rollout, abort-and-resume: the request keeps its tokens and goes back to the queue."""
@@ -374,6 +375,7 @@ class RolloutDriver:
         ep = r.ep
         stop = min(a.max_new_tokens, r.target - r.generated)
         r.instance = i
+        r.running = True
         inst.admit(
             Admit(r.rid, ep.lineage, ep.ctx + r.generated, stop, home=ep.home, home_tokens=ep.home_tokens,
                   priority=a.priority, seed=_seed(r.rid), reserve=0),
