@@ -25,6 +25,7 @@ a brute-force reading of that rule.
 
 from __future__ import annotations
 
+import abc
 import heapq
 import math
 from collections import deque
@@ -58,7 +59,7 @@ class _Group:
     max_tokens: int = 0
 
 
-class _Dispatch:
+class _Dispatch(abc.ABC):
     name = "base"
 
     def __init__(self) -> None:
@@ -141,8 +142,9 @@ class _Dispatch:
         return False
 
     # hooks
+    @abc.abstractmethod
     def _enqueue(self, r: _Req, now: float, front: bool = False) -> None:
-        raise NotImplementedError
+        """Put a request (back) into this policy's queue."""
 
     def _on_unqueue(self, r: _Req) -> None:
         pass
