@@ -346,3 +346,67 @@ def test_caller_loop_closed_mid_request_does_not_kill_the_engine():
     finally:
         aeng.shutdown()
     assert aeng.closed
+
+
+def test_shutdown_fails_queued_calls_instead_of_hanging():
+    import threading
+    import time
+
+    aeng = AsyncEngine(make_engine())
+
+    async def main():
+        aeng._command(lambda: time.sleep(0.5))  # keep the engine thread busy  # noqa: SLF001
+        await asyncio.sleep(0.1)  # the engine thread is inside the sleep now
+        pending = asyncio.ensure_future(aeng.stats())
+        await asyncio.sleep(0.05)
+        threading.Thread(target=aeng.shutdown).start()
+        with pytest.raises(Exception, match="shut down"):
+            await asyncio.wait_for(pending, 10)
+
+    asyncio.run(main())
+
+
+def test_request_cancelled_before_the_engine_took_it_is_aborted():
+    import time
+
+    aeng = AsyncEngine(make_engine())
+    try:
+        async def main():
+            aeng._command(lambda: time.sleep(0.5))  # the add below waits behind this  # noqa: SLF001
+            await asyncio.sleep(0.1)
+            task = asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(3, 6), greedy(200))))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(300):
+                stats = await aeng.stats()
+                if stats["aborted"] == 1 and stats["running"] == 0:
+                    return stats
+                await asyncio.sleep(0.01)
+            return stats
+
+        stats = asyncio.run(main())
+        assert stats["aborted"] == 1 and stats["running"] == 0 and stats["generated_tokens"] < 200
+    finally:
+        aeng.shutdown()
+
+
+def test_no_deferral_waves_without_a_prefix_cache():
+    eng = make_engine(prefix_cache=False)
+    calls = []
+    real = eng.runner.prefill
+    eng.runner.prefill = lambda items: calls.append(len(items)) or real(items)
+    eng.generate([GenerateRequest(prompt(8, 40), greedy(2)) for _ in range(8)])
+    assert calls == [8]  # one forward for the whole group
+
+
+def test_top_p_one_rows_are_not_truncated_in_mixed_batches():
+    from arborl.engine.sampling import sample
+
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(0)) * 8
+    plain = SamplingParams(temperature=1.0)
+    alone = sample(logits[:1], [plain], [torch.Generator().manual_seed(1)])
+    mixed = sample(logits, [plain, SamplingParams(top_p=0.5)], [torch.Generator().manual_seed(1), torch.Generator()])
+    assert mixed.tokens[0] == alone.tokens[0]
+    assert mixed.sample_logprobs[0] == alone.sample_logprobs[0]

@@ -58,6 +58,10 @@ def test_resume_continues_the_same_run(tmp_path):
     a, b = read(straight), read(rest)
     assert [x["step"] for x in b] == [1, 2, 3, 4]
     assert [x["reward"] for x in a] == [x["reward"] for x in b]
+    assert [x["policy_version"] for x in a] == [x["policy_version"] for x in b]
+    with DataPool(rest.run_dir / "datapool.sqlite") as pool:  # the resumed engines serve version 2 first
+        step3 = [e for e in pool.episodes(with_calls=True) if e.group_id.startswith("step2:")]
+        assert {v for e in step3 for c in e.calls for v in c.versions} == {b[1]["policy_version"]}
 
 
 def test_cli_refuses_to_overwrite_a_run_and_reports_bad_config(tmp_path):

@@ -36,11 +36,13 @@ def _suite(cfg: Config):
     return get_suite(cfg.rollout.task)
 
 
-def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path):
-    """Gateway + engines serving ``serving_model`` (never the trainer's own module), and the
-    controller around them."""
-    launched = build_gateway(cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval()), run_dir=run_dir)
-    ctl = SyncController(cfg, launched.gateway, launched.engines, launched.pool, trainer, _suite(cfg))
+def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path, version: int = 0):
+    """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
+    ``version``, and the controller around them."""
+    launched = build_gateway(
+        cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval()), run_dir=run_dir, version=version
+    )
+    ctl = SyncController(cfg, launched.gateway, launched.engines, launched.pool, trainer, _suite(cfg), version=version)
     return launched, ctl
 
 
@@ -61,18 +63,18 @@ def train(cfg: Config, *, resume: bool = False, console: Console | None = None) 
     loaded = load_model(cfg.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
     trainer = Trainer(loaded.model, cfg.train, temperature=cfg.rollout.temperature)
-    start_step, summary_prev = 0, {}
+    start_step, version, summary_prev = 0, 0, {}
     if resume:
         if not ckpt.exists():
             raise CheckpointError(f"--resume: {ckpt} does not exist")
         extra = load_checkpoint(ckpt, trainer)
         start_step, summary_prev = extra["step"], extra.get("summary", {})
+        version = extra.get("version", start_step)
         metrics.truncate_after(start_step)
         serving.load_state_dict(trainer.engine_state())
         console.print(f"resumed from {ckpt} at step {start_step}")
 
-    launched, ctl = _controller(cfg, trainer, serving, loaded, run_dir)
-    ctl.version = start_step
+    launched, ctl = _controller(cfg, trainer, serving, loaded, run_dir, version)
     try:
         summary = asyncio.run(_train_loop(cfg, ctl, trainer, metrics, start_step, summary_prev, ckpt, console))
     finally:
@@ -113,7 +115,7 @@ async def _train_loop(cfg, ctl: SyncController, trainer: Trainer, metrics: Metri
                 metrics.write({"kind": "eval", "step": step + 1, **ev})
             if last or (r.checkpoint_every and (step + 1) % r.checkpoint_every == 0):
                 summary["steps"] = step + 1
-                await asyncio.to_thread(save_checkpoint, ckpt, trainer, {"step": step + 1, "summary": summary})
+                await asyncio.to_thread(save_checkpoint, ckpt, trainer, {"step": step + 1, "version": ctl.version, "summary": summary})
     steps = [x for x in metrics.read() if x.get("kind") == "step"]
     summary["steps"] = r.steps
     if steps:

@@ -49,6 +49,7 @@ class AsyncEngine:
         self._commands: list[Callable[[], None]] = []
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._closed = False
+        self._pending_calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # _call()s not yet run
         self._thread = threading.Thread(target=self._loop, name=f"arborl-{engine.engine_id}", daemon=True)
         self._thread.start()
 
@@ -128,7 +129,11 @@ class AsyncEngine:
             self.engine.add_request(request, on_token if stream else None)  # raises on invalid input
             self._futures[request.request_id] = (loop, done)
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:  # the add may still run: make sure the request ends at once
+            self.abort(request.request_id)
+            raise
         return done, queue
 
     def _command(self, fn: Callable[[], None]) -> None:
@@ -141,8 +146,11 @@ class AsyncEngine:
     async def _call(self, fn):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        entry = (loop, fut)
+        self._pending_calls.add(entry)
 
         def run() -> None:
+            self._pending_calls.discard(entry)
             try:
                 value = fn()
             except Exception as e:
@@ -150,7 +158,11 @@ class AsyncEngine:
             else:
                 _deliver(loop, _set_result, fut, value)
 
-        self._command(run)
+        try:
+            self._command(run)
+        except EngineClosedError:
+            self._pending_calls.discard(entry)
+            raise
         return await fut
 
     def _loop(self) -> None:
@@ -176,6 +188,9 @@ class AsyncEngine:
             for res in results:
                 self._resolve(res.request_id, res, None)
         self._fail_in_flight(EngineClosedError("engine is shut down"))
+        for loop, fut in list(self._pending_calls):  # queued calls that will never run
+            _deliver(loop, _set_exception, fut, EngineClosedError("engine is shut down"))
+        self._pending_calls.clear()
 
     def _resolve(self, request_id: str, result: GenerateResult | None, error: Exception | None) -> None:
         entry = self._futures.pop(request_id, None)

@@ -206,7 +206,8 @@ class LLMEngine:
         """Waiting sequences to prefill together, each in a new slot with its cached prefix copied in.
         A prompt that shares enough uncached tokens with one already in the wave is deferred to the
         next wave, which then finds that shared prefix in the cache (GRPO groups, shared system prompts)."""
-        min_share = self.config.inbatch_prefix_min_tokens
+        # deferring only pays when the first prompt's KV will be in the cache for the others
+        min_share = self.config.inbatch_prefix_min_tokens if self.prefix_cache.budget_tokens > 0 else 0
         wave_prompts: RadixTree[None] = RadixTree()
         wave: list[Sequence] = []
         deferred: list[tuple[tuple[int, int], Sequence]] = []

@@ -34,7 +34,7 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it >= top_p
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(-1)
+    drop |= (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)  # float cumsum may reach 1 early
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)

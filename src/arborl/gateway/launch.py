@@ -26,7 +26,9 @@ class Launched:
         self.pool.close()
 
 
-def build_gateway(cfg: Config, *, loaded: LoadedModel | None = None, run_dir: str | Path | None = None) -> Launched:
+def build_gateway(
+    cfg: Config, *, loaded: LoadedModel | None = None, run_dir: str | Path | None = None, version: int = 0
+) -> Launched:
     """Load the model (unless given), start ``gateway.num_engines`` engines (engine-0, engine-1, ...,
     each with its own copy of the weights), open the run's data pool, and wire the gateway."""
     loaded = loaded or load_model(cfg.model)
@@ -34,7 +36,10 @@ def build_gateway(cfg: Config, *, loaded: LoadedModel | None = None, run_dir: st
     for i in range(cfg.gateway.num_engines):
         model = loaded.model if i == 0 else copy.deepcopy(loaded.model)
         ecfg = cfg.engine.model_copy(update={"engine_id": f"{cfg.engine.engine_id.rsplit('-', 1)[0]}-{i}"})
-        eng = LLMEngine(model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + i)
+        eng = LLMEngine(
+            model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + i,
+            version=version,
+        )
         engines.append(AsyncEngine(eng))
     pool = DataPool.from_config(run_dir if run_dir is not None else cfg.run_dir, cfg.datapool)
     gateway = Gateway(engines, datapool=pool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway)
