@@ -152,3 +152,13 @@ def test_trainer_scores_the_tempered_policy():
     assert cold["mismatch/logp_abs_diff_max"] > 1e-2
     with pytest.raises(Exception, match="temperature"):
         Trainer(model(), TrainConfig(), temperature=0.0)
+
+
+def test_a_save_interrupted_between_its_renames_still_resumes(tmp_path):
+    t = Trainer(model(), TrainConfig())
+    t.train_step(make_samples(40))
+    save_checkpoint(tmp_path / "ckpt", t, {"step": 1})
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-123")  # the state a crash mid-save leaves
+    fresh = Trainer(model(seed=4), TrainConfig())
+    assert load_checkpoint(tmp_path / "ckpt", fresh) == {"step": 1}
+    assert torch.equal(params_of(fresh.model), params_of(t.model))

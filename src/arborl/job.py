@@ -65,7 +65,7 @@ def train(cfg: Config, *, resume: bool = False, console: Console | None = None) 
     trainer = Trainer(loaded.model, cfg.train, temperature=cfg.rollout.temperature)
     start_step, version, summary_prev = 0, 0, {}
     if resume:
-        if not ckpt.exists():
+        if not ckpt.exists() and not list(run_dir.glob(".checkpoint.old-*")):
             raise CheckpointError(f"--resume: {ckpt} does not exist")
         extra = load_checkpoint(ckpt, trainer)
         start_step, summary_prev = extra["step"], extra.get("summary", {})

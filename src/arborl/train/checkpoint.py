@@ -67,9 +67,17 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, filename: str =
         raise CheckpointError(f"{f} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+def _existing(path: Path) -> Path:
+    """``path``, or the previous checkpoint a save was replacing when it was interrupted."""
+    if path.exists():
+        return path
+    olds = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    return olds[-1] if olds else path
+
+
 def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """Restore ``trainer`` (weights, optimiser, step, RNGs) and return the saved ``extra``."""
-    path = Path(path)
+    path = _existing(Path(path))
     load_model_weights(path, trainer.model)
     if trainer.ref_model is not None:
         if not (path / "ref.safetensors").is_file():
