@@ -32,7 +32,8 @@ def test_tasks_are_deterministic_and_splits_disjoint():
     a, b = make_tasks("train", 60, seed=3), make_tasks("train", 60, seed=3)
     assert [t.prompt for t in a] == [t.prompt for t in b]
     ev = make_tasks("eval", 60, seed=3)
-    assert not {t.prompt for t in a} & {t.prompt for t in ev} or len({t.prompt for t in a} & {t.prompt for t in ev}) < 3
+    # disjoint seeds: an identical question can only come up by chance (~1 in thousands per pair)
+    assert len({t.prompt for t in a} & {t.prompt for t in ev}) <= 2
     assert {t.metadata["level"] for t in a} == {1, 2, 3}
     for t in a:
         assert str(t.metadata["answer"]).lstrip("-").isdigit()
