@@ -17,7 +17,7 @@ import random
 from typing import Any
 
 from arborl.agents import AgentLoop, AgentOutcome, ReActAgent
-from arborl.tasks.calculator import extract_answer, format_number
+from arborl.tasks.calculator import extract_answer, format_number, seeded_questions
 from arborl.types import Call, Task
 
 SYSTEM_PROMPT = "You are a calculator. Reply with the result only, as: Answer: <number>"
@@ -49,15 +49,9 @@ def _question(rng: random.Random, level: int) -> tuple[str, str]:
 
 
 def make_tasks(split: str, n: int, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)) -> list[Task]:
-    if split not in _SPLIT_SEED:
-        raise ValueError(f"split must be one of {sorted(_SPLIT_SEED)}, got {split!r}")
-    rng = random.Random(_SPLIT_SEED[split] + seed)
-    tasks = []
-    for i in range(n):
-        level = levels[i % len(levels)]
-        q, answer = _question(rng, level)
-        tasks.append(Task(task_id=f"arith-{split}-{seed}-{i}", prompt=[*EXAMPLE, {"role": "user", "content": q}],
-                          metadata={"answer": answer, "level": level}, split=split))
+    tasks = seeded_questions("arith", _question, _SPLIT_SEED, split, n, seed, levels)
+    for t in tasks:
+        t.prompt = [*EXAMPLE, {"role": "user", "content": t.prompt}]
     return tasks
 
 

@@ -12,7 +12,7 @@ import json
 import operator
 import random
 import re
-from typing import Any
+from typing import Any, Callable
 
 from arborl.agents import AgentLoop, AgentOutcome, ReActAgent, Tool
 from arborl.types import Call, Task
@@ -114,18 +114,31 @@ def _question(rng: random.Random, level: int) -> tuple[str, str]:
     return rng.choice(templates).format(e=expr), format_number(evaluate(expr))
 
 
-def make_tasks(split: str, n: int, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)) -> list[Task]:
-    if split not in _SPLIT_SEED:
-        raise ValueError(f"split must be one of {sorted(_SPLIT_SEED)}, got {split!r}")
-    rng = random.Random(_SPLIT_SEED[split] + seed)
+def seeded_questions(
+    prefix: str,
+    question: Callable[[random.Random, int], tuple[str, str]],
+    split_seeds: dict[str, int],
+    split: str,
+    n: int,
+    seed: int,
+    levels: tuple[int, ...],
+) -> list[Task]:
+    """``n`` tasks cycling through ``levels``, drawn from ``question(rng, level) -> (text, answer)``
+    with a per-split seed base (disjoint splits); the prompt is the question text."""
+    if split not in split_seeds:
+        raise ValueError(f"split must be one of {sorted(split_seeds)}, got {split!r}")
+    rng = random.Random(split_seeds[split] + seed)
     tasks = []
     for i in range(n):
         level = levels[i % len(levels)]
-        q, answer = _question(rng, level)
-        tasks.append(
-            Task(task_id=f"calc-{split}-{seed}-{i}", prompt=q, metadata={"answer": answer, "level": level}, split=split)
-        )
+        q, answer = question(rng, level)
+        tasks.append(Task(task_id=f"{prefix}-{split}-{seed}-{i}", prompt=q, metadata={"answer": answer, "level": level},
+                          split=split))
     return tasks
+
+
+def make_tasks(split: str, n: int, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)) -> list[Task]:
+    return seeded_questions("calc", _question, _SPLIT_SEED, split, n, seed, levels)
 
 
 _ANSWER = re.compile(r"Answer:\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
