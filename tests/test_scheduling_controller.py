@@ -71,3 +71,46 @@ def test_real_controller_decisions_replay_into_the_simulators_policy(tmp_path, m
     assert {"can_start", "on_start", "on_finish", "take_batch", "on_version"} <= kinds
     fresh, _ = build_policies(cfg.scheduling, "async_ratio", "pinned", batch_size=cfg.rollout.batch_tasks, instances=1)
     assert replay(t.calls, fresh) == len(t.calls)
+
+
+def _steps(cfg):
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [s for s in rows if s["kind"] == "step"]
+
+
+def test_seer_dispatch_in_training_divides_requests_over_engines(tmp_path):
+    """`arborl train` with scheduling.dispatch=seer: every engine request goes through the dispatcher in
+    3-token pieces over two engines; the recorded calls are whole (merged) and pieces migrated."""
+    cfg = tiny_cfg(tmp_path, "seer", "scheduling.dispatch=seer", "scheduling.chunk_tokens=3", "gateway.num_engines=2",
+                   "rollout.steps=2")
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    steps = _steps(cfg)
+    last = steps[-1]
+    assert last["dispatch/requests"] >= 2 * 3 * 4
+    assert last["dispatch/pieces"] > last["dispatch/requests"]  # 8-token requests in 3-token pieces
+    assert last["dispatch/migrations"] > 0 and last["dispatch/policy_probes"] > 0
+    with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
+        calls = [c for e in pool.episodes() for c in pool.get_episode(e.episode_id).calls]
+    assert calls and all(len(c.completion_token_ids) <= 8 for c in calls)
+    assert any(len(c.completion_token_ids) > 3 for c in calls)  # merged across pieces
+    assert any("," in c.engine_id for c in calls)  # one call served by both engines
+
+
+def test_abort_resume_and_oversampling_in_training(tmp_path):
+    """Async consumption with abort-and-resume partial rollout through the dispatcher, and synchronous
+    over-sampling (surplus groups cancelled): both train, every token's version is one the trainer
+    published, and a call's versions never go down."""
+    cfg = tiny_cfg(tmp_path, "resume", "scheduling.consume=async_ratio", "scheduling.partial_rollout=abort_resume",
+                   "gateway.num_engines=2", "rollout.steps=3", "rollout.max_tokens=24")
+    assert train(cfg)["steps"] == 3
+    steps = _steps(cfg)
+    assert all("dispatch/resumed" in s for s in steps) and steps[-1]["dispatch/pieces"] >= steps[-1]["dispatch/requests"]
+    with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
+        calls = [c for e in pool.episodes() for c in pool.get_episode(e.episode_id).calls]
+    assert all(c.versions == sorted(c.versions) and set(c.versions) <= {0, 1, 2, 3} for c in calls)
+
+    cfg = tiny_cfg(tmp_path, "oversample", "scheduling.oversample=0.5", "rollout.steps=2")
+    assert train(cfg)["steps"] == 2
+    steps = _steps(cfg)
+    assert sum(s["sched/cancelled_groups"] for s in steps) + sum(s["sched/dropped_groups"] for s in steps) > 0

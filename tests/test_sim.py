@@ -193,3 +193,22 @@ def test_oversampling_cancels_the_surplus_once_the_batch_is_full():
     # the surplus are the slowest groups: over-sampled steps are shorter
     plain, _ = run_variant(load_config(None, SMALL), "sync/seer")
     assert f["batch_makespan_s"] < plain.figures["batch_makespan_s"]
+
+
+def test_oracle_reference_runs_longest_true_length_first():
+    """The bench's oracle reference (true lengths known in advance) dispatches, among the first
+    assignments, requests in non-increasing true length; it is a drop-in dispatch policy."""
+    from arborl.bench.scheduling_bench import OracleLongestFirst
+    from arborl.rollout.policies import Traced
+    from arborl.sim import workload
+
+    cfg = load_config(None, SMALL + ["sim.steps=1"])
+    wl = workload(cfg.sim)
+    oracle = Traced(OracleLongestFirst(wl, chunk_tokens=0))
+    res, _ = run_variant(cfg, "sync/seer", dispatch_policy=oracle)
+    assert res.figures["steps"] == 1
+    first = [a.request_id for name, _, a in oracle.calls if name == "next_for" and a is not None][:cfg.sim.instances]
+    lengths = [oracle.policy._true_length(rid) for rid in first]
+    assert lengths == sorted(lengths, reverse=True)
+    every = sorted((p.turns[0].tokens for g in range(cfg.sim.prompts) for p in wl.group(g)), reverse=True)
+    assert lengths == every[: len(lengths)]

@@ -304,8 +304,9 @@ class SchedulingConfig(Section):
     dispatch: Literal["pinned", "seer"] = Field(
         "pinned",
         description="where requests run: pinned = each group pinned to one engine instance (veRL-like); seer = one "
-        "global queue, divided rollout, probes first, then longest estimated group first (used by `arborl simulate` "
-        "and the engine driver of `arborl bench scheduling`; `arborl train` routes through the gateway)",
+        "global queue, divided rollout, probes first, then longest estimated group first. In `arborl train` / `arborl "
+        "serve`, pinned keeps the gateway's session-affinity router (unless partial_rollout=abort_resume) and seer puts "
+        "every engine request through the dispatcher (rollout/dispatcher.py), grouped by the session's group_id",
     )
     chunk_tokens: int = Field(
         4096,
@@ -325,7 +326,7 @@ class SchedulingConfig(Section):
     partial_rollout: Literal["continue", "abort_resume"] = Field(
         "continue",
         description="requests in flight at a weight update: continue (later tokens carry the new version) or are "
-        "aborted and resumed from their tokens through the queue (abort_resume: simulator and engine driver only)",
+        "aborted before the new weights load and resumed from their tokens through the dispatch queue",
     )
     stale_token_mask: int | None = Field(
         None,

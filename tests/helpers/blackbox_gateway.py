@@ -36,6 +36,8 @@ from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.gateway.server import GatewayServer
 from arborl.gateway.stitching import CallRecord, Stitched, stitch_chat
 from arborl.models import LoadedModel, load_model
+from arborl.rollout.dispatcher import Dispatcher
+from arborl.rollout.seer import SeerDispatch
 
 ADD_TOOL = {
     "type": "function",
@@ -179,7 +181,10 @@ class Harness:
 _model_lock = threading.Lock()
 
 
-def start_harness(*, num_engines: int = 1, faults: bool = False, max_seq_len: int = 2048, **gw_cfg) -> Harness:
+def start_harness(*, num_engines: int = 1, faults: bool = False, max_seq_len: int = 2048, seer_chunk: int | None = None,
+                  **gw_cfg) -> Harness:
+    """A live gateway on the scripted policy; ``seer_chunk``: requests go through a Seer dispatcher
+    serving them in pieces of that many tokens."""
     with _model_lock:
         loaded = scripted_model()
     tmp = tempfile.TemporaryDirectory(prefix="arborl-gw-")
@@ -189,7 +194,8 @@ def start_harness(*, num_engines: int = 1, faults: bool = False, max_seq_len: in
         cfg = EngineConfig(max_seq_len=max_seq_len, max_batch_size=16, num_threads=1, engine_id=f"engine-{i}")
         engines.append(AsyncEngine(LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=i)))
     switch = FaultSwitch(loaded.model) if faults else None
+    dispatcher = Dispatcher(engines, SeerDispatch(chunk_tokens=seer_chunk)) if seer_chunk is not None else None
     gw = Gateway(engines, datapool=pool, tokenizer=loaded.tokenizer, model_name="scripted-tiny",
-                 config=GatewayConfig(**gw_cfg), admin_key=ADMIN_KEY)
+                 config=GatewayConfig(**gw_cfg), admin_key=ADMIN_KEY, dispatcher=dispatcher)
     server = GatewayServer(gw).start()
     return Harness(gw, server, pool, engines, loaded, switch, tmp)

@@ -16,6 +16,7 @@ Gantt PNGs of the simulated sync/pinned and sync/seer steps go to runs/bench-sch
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 import time
@@ -29,8 +30,9 @@ from rich.table import Table
 from arborl.config import Config, EngineConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.models import tiny_llama
+from arborl.rollout.seer import SeerDispatch
 from arborl.rollout.timeline import Timeline
-from arborl.sim import build_policies, parse_variant, run_variant, workload
+from arborl.sim import build_policies, cost_model, parse_variant, run_variant, workload
 from arborl.sim.calibrate import calibrate
 from arborl.sim.cost import CostModel
 from arborl.sim.engine_instance import EngineInstance, TokenStore, transfer_kv
@@ -61,6 +63,31 @@ TINY = dict(layers=4, hidden=256, vocab=4096, heads=8, kv_heads=4, max_position=
 # ------------------------------------------------------------------------------------ simulator
 
 
+class OracleLongestFirst(SeerDispatch):
+    """Reference, not a policy anyone can run: divided rollout, longest-first by every request's true
+    length, known in advance (the "oracle" Seer compares its context-aware scheduling with). How close
+    Seer's estimate gets to it, and the tail even perfect ordering leaves, bound what dispatch can do."""
+
+    def __init__(self, wl, *, chunk_tokens: int) -> None:
+        super().__init__(chunk_tokens=chunk_tokens, context_aware=True)
+        self._wl = wl
+        self._lengths: dict[str, int] = {}
+
+    def _true_length(self, rid: str) -> int:  # ids are g<group>/m<member>/t<turn> (sim.loop)
+        if rid not in self._lengths:
+            g, m, t = rid.split("/")
+            plan = self._wl.group(int(g[1:]))[int(m[1:])]
+            self._lengths[rid] = plan.turns[int(t[1:])].tokens
+        return self._lengths[rid]
+
+    def _is_probe(self, r) -> bool:
+        return False
+
+    def _push(self, r) -> None:
+        r.key_ticket += 1
+        heapq.heappush(self._heap, (-self._true_length(r.request_id), r.enq, r.key_ticket, r.request_id))
+
+
 def _pooled(cfgs: list[Config], variants: list[str], *, timeline_dir: Path | None = None) -> dict[str, dict]:
     """Each variant on every config (seeds); sums of times and tokens, so ratios are pooled."""
     out: dict[str, dict] = {}
@@ -70,11 +97,15 @@ def _pooled(cfgs: list[Config], variants: list[str], *, timeline_dir: Path | Non
         for k, cfg in enumerate(cfgs):
             name, _, ablation = v.partition("|")  # "sync/seer|context_aware=false": a scheduling ablation
             variant_cfg = cfg
-            if ablation:
+            if ablation and ablation != "oracle":
                 upd = dict(item.split("=", 1) for item in ablation.split(","))
                 sched = cfg.scheduling.model_validate({**cfg.scheduling.model_dump(), **upd})
                 variant_cfg = cfg.model_copy(update={"scheduling": sched})
-            res, _ = run_variant(variant_cfg, name, timeline=timeline_dir is not None and k == 0 and not ablation)
+            oracle = None
+            if ablation == "oracle":  # "sync/seer|oracle": the oracle reference instead of Seer's estimate
+                oracle, variant_cfg = OracleLongestFirst(workload(cfg.sim), chunk_tokens=cfg.scheduling.chunk_tokens), cfg
+            res, _ = run_variant(variant_cfg, name, timeline=timeline_dir is not None and k == 0 and not ablation,
+                                 dispatch_policy=oracle)
             f = res.figures
             for key in ("time_s", "rollout_s", "generated_tokens", "trained_tokens", "wasted_tokens", "preemptions",
                         "consume_dropped", "consume_cancelled"):
@@ -178,7 +209,7 @@ def run(quick: bool, console: Console) -> dict:
     steps = 2
     console.print(f"simulating the Seer-like workload (400 x 8, <= 64K tokens, 32 instances; seeds {seeds}, {steps} steps) ...")
     variants = ["sync/pinned", "sync/seer", "async_ratio/pinned", "windowed_fifo/pinned",
-                "sync/seer|context_aware=false", "sync/seer|chunk_tokens=0", "sync/seer|oversample=0.25"]
+                "sync/seer|context_aware=false", "sync/seer|chunk_tokens=0", "sync/seer|oversample=0.25", "sync/seer|oracle"]
     seer = _pooled(_cfgs(SEER_WORKLOAD, seeds, steps), variants, timeline_dir=OUT_DIR)
     gantt = seer.pop("_gantt", {})
     base = seer["sync/pinned"]
@@ -187,7 +218,7 @@ def run(quick: bool, console: Console) -> dict:
     for col in ("roll x", "tail s", "cut", "train x", "preempt", "gap", "ooo"):
         t.add_column(col, no_wrap=True)
     label = {"sync/seer|context_aware=false": "seer divided only", "sync/seer|chunk_tokens=0": "seer ctx-aware only",
-             "sync/seer|oversample=0.25": "seer oversample .25"}
+             "sync/seer|oversample=0.25": "seer oversample .25", "sync/seer|oracle": "oracle longest-first"}
     for v, f in seer.items():
         t.add_row(label.get(v, v), f"{f['rollout_tokens_per_s'] / base['rollout_tokens_per_s']:.2f}",
                   f"{f['tail_s']:.0f}", f"{1 - f['tail_s'] / base['tail_s']:.0%}",
@@ -206,6 +237,16 @@ def run(quick: bool, console: Console) -> dict:
         seer["sync/seer|chunk_tokens=0"]["rollout_tokens_per_s"] / base["rollout_tokens_per_s"], 3)
     figures["sim_seerlike_async_vs_sync_throughput"] = round(
         seer["async_ratio/pinned"]["train_tokens_per_s"] / base["train_tokens_per_s"], 3)
+    o = seer["sync/seer|oracle"]
+    figures["sim_oracle_lfs_vs_sync_throughput"] = round(o["rollout_tokens_per_s"] / base["rollout_tokens_per_s"], 3)
+    figures["sim_oracle_lfs_tail_reduction"] = round(1 - o["tail_s"] / base["tail_s"], 3)
+    # what bounds the tail: the longest request (max_tokens) decoded alone, from t = 0, on an idle instance
+    cfg0 = load_config(None, SEER_WORKLOAD)
+    solo = cost_model(cfg0.sim).prefill_s(cfg0.sim.prompt_tokens) + cost_model(cfg0.sim).steps_s(
+        1, cfg0.sim.prompt_tokens, cfg0.sim.max_tokens)
+    figures["sim_longest_request_alone_s"] = round(solo, 1)
+    figures["sim_seer_makespan_s"] = round(s["batch_makespan_s"], 1)
+    figures["sim_pinned_makespan_s"] = round(base["batch_makespan_s"], 1)
     figures["sim_seer_oversample25_vs_sync"] = round(
         seer["sync/seer|oversample=0.25"]["rollout_tokens_per_s"] / base["rollout_tokens_per_s"], 3)
     w = math.ceil(0.3 * 400)

@@ -105,6 +105,14 @@ class AsyncEngine:
         """Swap weights between two steps; returns seconds spent in the engine thread."""
         return await self._call(lambda: self.engine.update_weights(state, version))
 
+    async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
+        """KV of the longest cached prefix of ``tokens`` and its policy version (for migration)."""
+        return await self._call(lambda: self.engine.export_prefix_kv(tokens))
+
+    async def import_kv(self, tokens: list[int], kv: torch.Tensor | None, version: int) -> int:
+        """Cache KV another engine exported; 0 when its version is not this engine's."""
+        return await self._call(lambda: self.engine.import_prefix_kv(tokens, kv, version))
+
     async def stats(self) -> dict:
         return await self._call(self.engine.stats_dict)
 

@@ -137,6 +137,24 @@ class LLMEngine:
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
+    # -- KV migration (divided rollout) ------------------------------------------------------------
+    def export_prefix_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
+        """The KV of the longest cached prefix of ``tokens`` (``[layers, 2, kv_heads, n, head_dim]``,
+        None when nothing is cached) and the policy version it belongs to."""
+        pieces = self.prefix_cache.lookup(tokens)
+        kv = torch.cat([p for _, p in pieces], dim=3) if pieces else None
+        return kv, self.version
+
+    def import_prefix_kv(self, tokens: list[int], kv: torch.Tensor, version: int) -> int:
+        """Cache ``kv`` (exported by another engine) as the KV of ``tokens[:n]``; returns n, or 0 when it
+        belongs to another policy version than this engine's."""
+        if version != self.version or kv is None:
+            return 0
+        n = min(kv.shape[3], len(tokens))
+        kv = kv.to(self.runner.device)
+        self.prefix_cache.insert(tokens[:n], lambda a, b: kv[:, :, :, a:b].clone())
+        return n
+
     # -- the loop ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerateResult]:
@@ -301,7 +319,9 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         stops = seq.request.params.stop
         window = max(len(s) for s in stops) + 4  # tokens: every token decodes to >= 0 chars
-        tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=False)
+        toks = seq.tokens
+        start = len(seq.request.prompt_token_ids) - seq.request.continued  # a continuation's earlier pieces count
+        tail = self.tokenizer.decode(toks[max(start, len(toks) - window):], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
     def _release(self, seq: Sequence) -> None:

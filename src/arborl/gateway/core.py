@@ -35,6 +35,7 @@ from arborl.gateway.errors import BadRequestError, GatewayError, NotFoundError
 from arborl.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.gateway.router import Router
+from arborl.rollout.dispatcher import Dispatcher
 from arborl.gateway.samples import episode_samples
 from arborl.gateway.sessions import Session, SessionStore, episode_meta, new_key
 from arborl.gateway.run import Job, RequestRun
@@ -92,6 +93,7 @@ class Gateway:
         max_seq_len: int | None = None,
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self.config = config or GatewayConfig()
         self.engines = list(engines)
@@ -112,6 +114,7 @@ class Gateway:
         self.admin_key = admin_key or os.environ.get("ARBORL_ADMIN_KEY") or self.config.admin_key or new_key()
         self.sessions = SessionStore(self.admin_key)
         self.router = Router(self.engines, self.config.affinity_max_load)
+        self.dispatcher = dispatcher  # when set, a dispatch policy places engine requests instead of the router
         self.stats = GatewayStats()
         self._tasks: set[asyncio.Task] = set()
         self._created = int(time.time())
@@ -280,6 +283,7 @@ class Gateway:
                 {"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down}
                 for i, e in enumerate(self.engines)
             ],
+            "dispatch": self.dispatcher.stats() if self.dispatcher is not None else None,
             "sessions": len(self.sessions.all()),
             "stats": {k: getattr(self.stats, k) for k in ("requests", "calls_recorded", "errors_4xx", "errors_5xx",
                                                           "aborted", "stitched", "drift_events")},

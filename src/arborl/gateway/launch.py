@@ -6,11 +6,13 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from arborl.config import Config
+from arborl.config import Config, SchedulingConfig
 from arborl.datapool import DataPool
 from arborl.engine import AsyncEngine, LLMEngine
 from arborl.gateway.core import Gateway
 from arborl.models import LoadedModel, load_model
+from arborl.rollout.dispatcher import Dispatcher
+from arborl.rollout.seer import make_dispatch
 
 
 @dataclass
@@ -42,5 +44,16 @@ def build_gateway(
         )
         engines.append(AsyncEngine(eng))
     pool = DataPool.from_config(run_dir if run_dir is not None else cfg.run_dir, cfg.datapool)
-    gateway = Gateway(engines, datapool=pool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway)
+    gateway = Gateway(engines, datapool=pool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway,
+                      dispatcher=make_dispatcher(cfg.scheduling, engines))
     return Launched(gateway, engines, pool, loaded)
+
+
+def make_dispatcher(sched: SchedulingConfig, engines: list[AsyncEngine]) -> Dispatcher | None:
+    """The gateway's dispatcher when the scheduling knobs need one (Seer dispatch, or abort-and-resume
+    partial rollout); None: the session-affinity router places requests."""
+    if sched.dispatch != "seer" and sched.partial_rollout != "abort_resume":
+        return None
+    policy = make_dispatch(sched.dispatch, len(engines), chunk_tokens=sched.chunk_tokens,
+                           context_aware=sched.context_aware, starvation_s=sched.starvation_s or float("inf"))
+    return Dispatcher(engines, policy, migration=sched.migration)

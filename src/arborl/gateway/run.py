@@ -63,13 +63,19 @@ class RequestRun:
 
     # -- running ----------------------------------------------------------------------------------
     def start(self) -> None:
-        with self.session.lock:
-            idx, how = self.gw.router.pick(self.session.engine_index)
-            self.session.engine_index = idx
-            self.session.in_flight += 1
-        self.gw.router.routed(idx, len(self.jobs))
-        self.engine_index = idx
-        self.engine = self.gw.engines[idx]
+        if self.gw.dispatcher is not None:  # a dispatch policy places every engine request (rollout/dispatcher.py)
+            with self.session.lock:
+                self.session.in_flight += 1
+            self.engine = self.gw.dispatcher.front(self.session.episode.group_id or self.session.session_id)
+            how = "dispatch"
+        else:
+            with self.session.lock:
+                idx, how = self.gw.router.pick(self.session.engine_index)
+                self.session.engine_index = idx
+                self.session.in_flight += 1
+            self.gw.router.routed(idx, len(self.jobs))
+            self.engine_index = idx
+            self.engine = self.gw.engines[idx]
         for j in self.jobs:
             j.meta["routing"] = how
         self.gw.stats.add("requests", 1)
@@ -137,13 +143,15 @@ class RequestRun:
             self.gw._count_error(e)
             raise
         finally:
-            self.gw.router.routed(self.engine_index or 0, -len(self.jobs))
+            if self.engine_index is not None:
+                self.gw.router.routed(self.engine_index, -len(self.jobs))
             with self.session.lock:
                 self.session.in_flight -= 1
 
     def _map_error(self, e: BaseException | None) -> GatewayError:
         if isinstance(e, EngineClosedError):
-            self.gw.router.mark_down(self.engine_index or 0)
+            if self.engine_index is not None:
+                self.gw.router.mark_down(self.engine_index)
             return UnavailableError(f"engine {self.engine.engine_id} is shut down; retry the call (another engine may serve it)")
         if isinstance(e, InvalidRequestError):
             return BadRequestError(str(e))

@@ -29,7 +29,8 @@ def continuation(prompt: list[int], pieces: Sequence[GenerateResult], params: Sa
     ids = list(prompt) + [t for p in pieces for t in p.token_ids]
     n = min(left, chunk_tokens) if chunk_tokens > 0 else left
     seed = None if params.seed is None else params.seed + len(pieces)
-    return GenerateRequest(ids, replace(params, max_tokens=n, seed=seed), request_id=request_id, priority=priority)
+    return GenerateRequest(ids, replace(params, max_tokens=n, seed=seed), request_id=request_id, priority=priority,
+                           continued=done)
 
 
 def merge(prompt: list[int], pieces: Sequence[GenerateResult], *, max_tokens: int | None = None) -> GenerateResult:

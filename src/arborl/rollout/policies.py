@@ -96,7 +96,8 @@ class DispatchPolicy(Protocol):
     instance ``i`` has room (None: nothing for it), ``on_chunk_done`` when an assignment came back
     (``generated`` = the request's total new tokens so far; ``finished`` = it will not continue),
     ``requeue`` when a running request was taken off its instance unfinished (preempted, or aborted
-    for resumption after a weight update), ``cancel_group`` when a group is no longer wanted."""
+    for resumption after a weight update), ``cancel_group`` / ``cancel`` when a group / a request is
+    no longer wanted (both return what is running: abort it)."""
 
     name: str
 
@@ -109,6 +110,8 @@ class DispatchPolicy(Protocol):
     def requeue(self, request_id: str, generated: int, now: float) -> None: ...
 
     def cancel_group(self, group_id: str) -> list[str]: ...
+
+    def cancel(self, request_id: str) -> bool: ...
 
     def pending(self) -> int: ...
 
@@ -128,7 +131,7 @@ class Traced:
 
     METHODS = frozenset(
         {"can_start", "on_start", "on_finish", "on_fail", "take_batch", "on_version",
-         "submit", "next_for", "on_chunk_done", "requeue", "cancel_group"}
+         "submit", "next_for", "on_chunk_done", "requeue", "cancel_group", "cancel"}
     )
 
     def __getattr__(self, name: str):

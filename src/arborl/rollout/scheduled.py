@@ -1,7 +1,8 @@
 """Asynchronous consumption in the real controller: GRPO groups kept in flight under a consumption
 policy (``scheduling.consume`` = async_ratio or windowed_fifo), batches handed to the trainer.
 
-``SyncController.train_step`` delegates here when the policy is not ``sync``: a group starts
+``SyncController.train_step`` delegates here when the policy is not ``sync`` (or is ``sync`` with
+over-sampling: the surplus groups are cancelled once the batch is full): a group starts
 whenever the policy allows it (its episodes run through the gateway like the synchronous path's),
 a finished group is reported with the oldest policy version among its tokens, and each training
 step waits for the policy's next batch, trains on it (GRPO inside each group; stale tokens masked
@@ -151,6 +152,7 @@ class ScheduledRollout:
             "sched/cancelled_groups": st["cancelled"],
             "sched/in_flight_groups": len(self._tasks),
             "sched/masked_tokens": masked,
+            **ctl.dispatch_metrics(),
             **{k: v for k, v in train_metrics.items() if k != "train/step"},
         }
 

@@ -57,6 +57,7 @@ class _Group:
     longest_finished: int | None = None
     longest_generated: int = 0
     max_tokens: int = 0
+    forgotten: int = 0  # requests dropped by ``forget``
 
 
 class _Dispatch(abc.ABC):
@@ -80,7 +81,8 @@ class _Dispatch(abc.ABC):
         if spec.request_id in self._reqs:
             raise ValueError(f"request {spec.request_id!r} submitted twice")
         g = self._groups.setdefault(spec.group_id, _Group())
-        r = _Req(spec.request_id, spec.group_id, spec.max_tokens, spec.generated, self._orders, probe=not g.requests)
+        r = _Req(spec.request_id, spec.group_id, spec.max_tokens, spec.generated, self._orders,
+                 probe=not (g.requests or g.forgotten))
         self._orders += 1
         g.requests.append(r.request_id)
         g.max_tokens = max(g.max_tokens, spec.max_tokens)
@@ -109,19 +111,31 @@ class _Dispatch(abc.ABC):
         self._enqueue(r, now, front=True)
 
     def cancel_group(self, group_id: str) -> list[str]:
-        running = []
-        for rid in self._groups.get(group_id, _Group()).requests:
-            r = self._reqs[rid]
-            if r.state == PENDING:
-                self._pending -= 1
-                self._on_unqueue(r)
-            elif r.state == RUNNING:
-                running.append(rid)
-            else:
-                continue
-            r.state = CANCELLED
-            self.counts["cancelled"] += 1
+        return [rid for rid in self._groups.get(group_id, _Group()).requests if self.cancel(rid)]
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop one request; True when it is running (the caller aborts it on its instance)."""
+        r = self._reqs.get(request_id)
+        if r is None or r.state in (DONE, CANCELLED):
+            return False
+        running = r.state == RUNNING
+        if not running:
+            self._pending -= 1
+            self._on_unqueue(r)
+        r.state = CANCELLED
+        self.counts["cancelled"] += 1
         return running
+
+    def forget(self, request_id: str) -> None:
+        """Free a finished or cancelled request's record (a long-running server would keep them all);
+        its group keeps its length statistics."""
+        r = self._reqs.get(request_id)
+        if r is None or r.state not in (DONE, CANCELLED):
+            return
+        del self._reqs[request_id]
+        g = self._groups[r.group_id]
+        g.requests.remove(request_id)
+        g.forgotten += 1
 
     def _assign(self, r: _Req, instance: int, chunk: int, *, starved: bool = False) -> Assignment:
         left = r.max_tokens - r.generated
@@ -193,19 +207,19 @@ class PinnedDispatch(_Dispatch):
     def next_for(self, instance: int, now: float) -> Assignment | None:
         q = self._queues[instance]
         while q:
-            r = self._reqs[q.popleft()]
-            if r.state == PENDING:
+            r = self._reqs.get(q.popleft())
+            if r is not None and r.state == PENDING:
                 return self._assign(r, instance, 0)
         return None
 
     def _on_done(self, r: _Req, g: _Group) -> None:
         self._load[self._pin[r.group_id]] -= 1
 
-    def cancel_group(self, group_id: str) -> list[str]:
-        i = self._pin.get(group_id)
-        if i is not None:
-            self._load[i] -= sum(self._reqs[rid].state in (PENDING, RUNNING) for rid in self._groups[group_id].requests)
-        return super().cancel_group(group_id)
+    def cancel(self, request_id: str) -> bool:
+        r = self._reqs.get(request_id)
+        if r is not None and r.state in (PENDING, RUNNING):
+            self._load[self._pin[r.group_id]] -= 1
+        return super().cancel(request_id)
 
 
 class SeerDispatch(_Dispatch):
@@ -270,9 +284,9 @@ class SeerDispatch(_Dispatch):
         if self._pending == 0:
             return None
         fifo = self._fifo
-        while fifo:  # drop entries of requests that left the queue or were re-queued since
-            r = self._reqs[fifo[0][2]]
-            if r.state == PENDING and r.enq == fifo[0][1]:
+        while fifo:  # drop entries of requests that left the queue (or were forgotten) or were re-queued since
+            r = self._reqs.get(fifo[0][2])
+            if r is not None and r.state == PENDING and r.enq == fifo[0][1]:
                 break
             fifo.popleft()
         if not self.context_aware:
@@ -283,13 +297,13 @@ class SeerDispatch(_Dispatch):
             return self._assign(self._reqs[rid], instance, self.chunk_tokens, starved=True)
         while self._probes:
             enq, rid = heapq.heappop(self._probes)
-            r = self._reqs[rid]
-            if r.state == PENDING and r.enq == enq and self._is_probe(r):
+            r = self._reqs.get(rid)
+            if r is not None and r.state == PENDING and r.enq == enq and self._is_probe(r):
                 return self._assign(r, instance, self.chunk_tokens)
         while self._heap:
             _, enq, ticket, rid = heapq.heappop(self._heap)
-            r = self._reqs[rid]
-            if r.state == PENDING and r.enq == enq and r.key_ticket == ticket:
+            r = self._reqs.get(rid)
+            if r is not None and r.state == PENDING and r.enq == enq and r.key_ticket == ticket:
                 return self._assign(r, instance, self.chunk_tokens)
         raise AssertionError("seer dispatch: pending requests but none queued")  # pragma: no cover
 

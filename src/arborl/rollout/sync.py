@@ -10,6 +10,7 @@ uninterrupted run would have.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -166,12 +167,17 @@ class SyncController:
         t0 = time.perf_counter()
         state = await asyncio.to_thread(self.trainer.engine_state)
         self.version += 1
-        await asyncio.gather(*(eng.update_weights(state, self.version) for eng in self.engines))
+        dispatcher = self.gateway.dispatcher
+        abort_resume = dispatcher is not None and self.cfg.scheduling.partial_rollout == "abort_resume"
+        async with dispatcher.updating(abort_resume=abort_resume) if dispatcher else contextlib.nullcontext():
+            # abort_resume: requests in flight stopped before the load; they resume under the new weights
+            await asyncio.gather(*(eng.update_weights(state, self.version) for eng in self.engines))
         return time.perf_counter() - t0
 
     # -- one step, one evaluation -----------------------------------------------------------------
     async def train_step(self, step: int) -> dict[str, float]:
-        if self.cfg.scheduling.consume != "sync":  # async consumption (rollout/scheduled.py)
+        s = self.cfg.scheduling
+        if s.consume != "sync" or s.oversample > 0:  # consumption policies (rollout/scheduled.py)
             if self._scheduled is None:
                 from arborl.rollout.scheduled import ScheduledRollout
 
@@ -213,8 +219,14 @@ class SyncController:
             "publish_s": publish_s,
             "step_s": time.perf_counter() - t0,
             "policy_version": self.version,
+            **self.dispatch_metrics(),
             **{k: v for k, v in train_metrics.items() if k != "train/step"},
         }
+
+    def dispatch_metrics(self) -> dict[str, float]:
+        """The gateway dispatcher's counters so far (pieces, migrations, resumed, ...), when it has one."""
+        d = self.gateway.dispatcher
+        return {f"dispatch/{k}": v for k, v in d.stats().items()} if d is not None else {}
 
     async def evaluate(self, n: int) -> dict[str, float]:
         """Held-out success: one episode per eval task at ``eval_temperature``."""

@@ -61,11 +61,14 @@ def build_policies(sched: SchedulingConfig, consume: str, dispatch: str, *, batc
 
 
 def run_variant(cfg: Config, variant: str, *, trace: bool = False, timeline: bool = False,
-                instances=None) -> tuple[RunResult, dict]:
-    """One variant on ``cfg.sim``; returns the run and (if ``trace``) the recorded policy calls."""
+                instances=None, dispatch_policy=None) -> tuple[RunResult, dict]:
+    """One variant on ``cfg.sim``; returns the run and (if ``trace``) the recorded policy calls.
+    ``dispatch_policy`` replaces the variant's dispatch policy (a reference such as an oracle)."""
     sim, sched = cfg.sim, cfg.scheduling
     consume, dispatch = parse_variant(variant)
     c, d = build_policies(sched, consume, dispatch, batch_size=sim.prompts, instances=sim.instances)
+    if dispatch_policy is not None:
+        d = dispatch_policy
     if trace:
         c, d = Traced(c), Traced(d)
     cost = cost_model(sim)

@@ -52,13 +52,8 @@ class TokenStore:
 def transfer_kv(src: LLMEngine, dst: LLMEngine, tokens: list[int]) -> int:
     """Copy the KV of the longest cached prefix of ``tokens`` from ``src``'s prefix cache into
     ``dst``'s; returns the tokens copied."""
-    pieces = src.prefix_cache.lookup(tokens)
-    if not pieces:
-        return 0
-    kv = torch.cat([p for _, p in pieces], dim=3)
-    n = kv.shape[3]
-    dst.prefix_cache.insert(tokens[:n], lambda a, b: kv[:, :, :, a:b].clone())
-    return n
+    kv, version = src.export_prefix_kv(tokens)
+    return dst.import_prefix_kv(tokens, kv, version) if kv is not None else 0
 
 
 class EngineInstance:

@@ -1,0 +1,229 @@
+"""Engine requests through a dispatch policy over real engines (rollout/dispatcher.py): divided
+rollout gives the tokens of an undivided request, pieces migrate with their KV, aborts end requests
+cleanly, abort-and-resume across a weight update stamps each token with its version, and stop
+strings are found across piece boundaries."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from arborl.config import EngineConfig, ModelConfig
+from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
+from arborl.models import load_model, tiny_llama
+from arborl.rollout.dispatcher import Dispatcher
+from arborl.rollout.seer import PinnedDispatch, SeerDispatch
+from arborl.types import FinishReason, GenerateRequest, SamplingParams
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_llama(layers=2, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=5)
+    torch.set_num_threads(threads)
+
+
+def _engines(model, n=2, batch=4, seq=256):
+    return [AsyncEngine(LLMEngine(model, EngineConfig(max_batch_size=batch, max_seq_len=seq, engine_id=f"e{i}"),
+                                  eos_token_ids=[VOCAB - 1], seed=i)) for i in range(n)]
+
+
+def _req(i, n=30, temperature=0.0, seed=None, rid=None):
+    g = torch.Generator().manual_seed(100 + i)
+    prompt = torch.randint(0, VOCAB - 1, (6 + i % 5,), generator=g).tolist()
+    return GenerateRequest(prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=seed),
+                           request_id=rid or f"r{i}")
+
+
+def _close(engines):
+    for e in engines:
+        e.shutdown()
+
+
+def test_divided_rollout_gives_the_undivided_tokens_and_logprobs(model):
+    """Greedy requests served in 7-token chunks over two engines (KV transferred on migration) equal
+    the same requests served whole by one engine; every request is one result, in order."""
+    async def run():
+        ref_eng = _engines(model, 1, batch=8)
+        engines = _engines(model, 2, batch=3)
+        try:
+            reqs = [_req(i) for i in range(8)]
+            ref = await asyncio.gather(*(ref_eng[0].generate(copy.deepcopy(r)) for r in reqs))
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=7), migration="transfer")
+            got = await asyncio.gather(*(d.generate(copy.deepcopy(r), f"g{i // 4}") for i, r in enumerate(reqs)))
+            return ref, got, d
+        finally:
+            _close(ref_eng + engines)
+
+    ref, got, d = asyncio.run(run())
+    for r, g in zip(ref, got):
+        assert g.request_id == r.request_id
+        assert g.token_ids == r.token_ids and len(g.token_ids) == 30
+        assert max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs)) < 1e-4
+        assert g.finish_reason == FinishReason.LENGTH and g.versions == [0] * 30
+    s = d.stats()
+    assert s["pieces"] >= 8 * 5  # ceil(30 / 7) = 5 pieces each
+    assert s["migrations"] > 0 and s["transferred_tokens"] > 0
+    assert s["policy_probes"] >= 2  # the probes' pieces (one probe per group) ran first
+    assert not d._live and d.policy.pending() == 0 and not d.policy._reqs  # nothing left behind
+
+
+def test_recompute_migration_and_sampled_requests_are_reproducible(model):
+    """Sampled (seeded) divided requests: the same tokens twice, whatever engine served each piece."""
+    async def run():
+        engines = _engines(model, 2, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=5), migration="recompute")
+            return await asyncio.gather(*(d.generate(_req(i, temperature=1.0, seed=i), "g") for i in range(5)))
+        finally:
+            _close(engines)
+
+    a, b = asyncio.run(run()), asyncio.run(run())
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert all(len(x.token_ids) == 30 for x in a)
+
+
+def test_stream_yields_every_piece_in_order(model):
+    async def run():
+        engines = _engines(model, 2, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=4))
+            events, final = [], None
+            async for ev in d.stream(_req(1, n=17), "g"):
+                if isinstance(ev, TokenEvent):
+                    events.append(ev)
+                else:
+                    final = ev
+            return events, final
+        finally:
+            _close(engines)
+
+    events, final = asyncio.run(run())
+    assert [e.index for e in events] == list(range(17))
+    assert [e.token_id for e in events] == final.token_ids
+
+
+def test_abort_queued_and_running_requests(model):
+    """An abort ends a queued request at once (no tokens) and a running one with its tokens so far;
+    the others finish, and nothing is left in the dispatcher or its policy."""
+    async def run():
+        engines = _engines(model, 1, batch=1)
+        try:
+            d = Dispatcher(engines, PinnedDispatch(1))
+            running = asyncio.ensure_future(d.generate(_req(0, n=200), "a"))
+            queued = asyncio.ensure_future(d.generate(_req(1, n=5), "b"))
+            other = asyncio.ensure_future(d.generate(_req(2, n=5), "c"))
+            while not engines[0].engine.num_running:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            d.abort("r1")
+            d.abort("r0")
+            return await running, await queued, await other, d
+        finally:
+            _close(engines)
+
+    running, queued, other, d = asyncio.run(run())
+    assert running.finish_reason == FinishReason.ABORT and 0 < len(running.token_ids) < 200
+    assert queued.finish_reason == FinishReason.ABORT and queued.token_ids == []
+    assert other.finish_reason == FinishReason.LENGTH and len(other.token_ids) == 5
+    assert not d._live and d.policy.pending() == 0
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort_resume"])
+def test_weight_update_mid_request_versions(model, mode):
+    """A request in flight across a weight update keeps its earlier tokens at version 0 and carries
+    version 1 after it; with abort_resume its piece was aborted before the load and resumed."""
+    async def run():
+        engines = _engines(model, 2, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=0))
+            fut = asyncio.ensure_future(d.generate(_req(0, n=120), "g"))
+            while not engines[0].engine.num_running and not engines[1].engine.num_running:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            async with d.updating(abort_resume=mode == "abort_resume"):
+                await asyncio.gather(*(e.update_weights(state, 1) for e in engines))
+            return await fut, d
+        finally:
+            _close(engines)
+
+    res, d = asyncio.run(run())
+    assert len(res.token_ids) == 120 and res.finish_reason == FinishReason.LENGTH
+    k = res.versions.index(1)
+    assert 0 < k and res.versions == [0] * k + [1] * (120 - k)
+    assert d.stats()["resumed"] == (1 if mode == "abort_resume" else 0)
+
+
+def test_stop_string_found_across_a_piece_boundary():
+    """A stop string whose characters straddle two pieces stops the continuation (``continued``
+    tells the engine which prompt tokens are the request's own output); without it, it is missed."""
+    loaded = load_model(ModelConfig(source="tiny", tiny_tokenizer="smollm2", seed=0))
+    tok = loaded.tokenizer
+    eng = LLMEngine(loaded.model, EngineConfig(max_batch_size=2, max_seq_len=128), eos_token_ids=loaded.eos_token_ids,
+                    tokenizer=tok)
+    base = tok.encode("hello there")
+    full = eng.generate([GenerateRequest(base, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))])[0].token_ids
+    k, stop = None, None
+    for j in range(2, 20):  # a boundary where last char before + first char after is a new string
+        before, after = tok.decode(full[:j]), tok.decode(full[: j + 1])
+        if len(after) > len(before) > 0 and after.startswith(before):
+            cand = before[-1] + after[len(before)]
+            if cand not in before and cand not in after[len(before):]:
+                k, stop = j, cand
+                break
+    assert k is not None, "no usable boundary in the tiny model's output"
+
+    def piece(continued):
+        req = GenerateRequest(base + full[:k], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop]),
+                              continued=continued)
+        return eng.generate([req])[0]
+
+    out = piece(k)
+    assert out.finish_reason == FinishReason.STOP and out.token_ids == full[k : k + 1]
+    blind = piece(0)  # without ``continued`` the earlier piece's text is not searched: the stop is missed
+    assert blind.token_ids[:1] == full[k : k + 1] and len(blind.token_ids) > 1
+
+
+def test_scripted_tool_episode_through_the_gateway_in_pieces():
+    """The real gateway + uvicorn + openai client with a Seer dispatcher serving 4-token pieces over two
+    engines: the scripted tool episode comes out token for token (streamed and not), the recorded
+    calls are whole and stitched, and /health reports the dispatcher."""
+    import json
+
+    import openai
+
+    from helpers.blackbox_gateway import ADD_TOOL, ANSWER, TOOL_CALL_TEXT, script_messages, start_harness
+
+    h = start_harness(num_engines=2, seer_chunk=4)
+    try:
+        first, _, _ = script_messages()
+        for stream in (False, True):
+            sid, key = h.new_session(task_id="add", group_id=f"g-{stream}")
+            c = openai.OpenAI(base_url=h.base_url, api_key=key, max_retries=0)
+            if stream:
+                chunks = list(c.chat.completions.create(model=h.model, messages=first, tools=[ADD_TOOL], temperature=0,
+                                                        stream=True))
+                calls = [tc for ch in chunks for choice in ch.choices for tc in (choice.delta.tool_calls or [])]
+                assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
+            else:
+                r1 = c.chat.completions.create(model=h.model, messages=first, tools=[ADD_TOOL], temperature=0)
+                msg = r1.choices[0].message
+                tool = {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}
+                r2 = c.chat.completions.create(model=h.model, messages=first + [msg.model_dump(exclude_none=True), tool],
+                                               tools=[ADD_TOOL], temperature=0)
+                assert r2.choices[0].message.content == ANSWER
+            recorded = h.pool.calls(sid)
+            eos = h.loaded.eos_token_ids[0]
+            assert recorded[0].completion_token_ids == h.loaded.tokenizer.encode(TOOL_CALL_TEXT) + [eos]
+            assert recorded[0].meta["routing"] == "dispatch" and recorded[0].versions == [0] * len(recorded[0].versions)
+        health = h.http.get(h.server.url + "/health").json()
+        assert health["dispatch"]["pieces"] > health["dispatch"]["requests"] >= 3
+    finally:
+        h.close()
