@@ -15,7 +15,8 @@ from arborl.config import EngineConfig, ModelConfig
 from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
 from arborl.models import load_model, tiny_llama
 from arborl.rollout.dispatcher import Dispatcher
-from arborl.rollout.seer import PinnedDispatch, SeerDispatch
+from arborl.rollout.policies import Traced, replay
+from arborl.rollout.seer import PinnedDispatch, SeerDispatch, make_dispatch
 from arborl.types import FinishReason, GenerateRequest, SamplingParams
 
 VOCAB = 256
@@ -55,7 +56,7 @@ def test_divided_rollout_gives_the_undivided_tokens_and_logprobs(model):
         try:
             reqs = [_req(i) for i in range(8)]
             ref = await asyncio.gather(*(ref_eng[0].generate(copy.deepcopy(r)) for r in reqs))
-            d = Dispatcher(engines, SeerDispatch(chunk_tokens=7), migration="transfer")
+            d = Dispatcher(engines, Traced(SeerDispatch(chunk_tokens=7)), migration="transfer")
             got = await asyncio.gather(*(d.generate(copy.deepcopy(r), f"g{i // 4}") for i, r in enumerate(reqs)))
             return ref, got, d
         finally:
@@ -71,7 +72,10 @@ def test_divided_rollout_gives_the_undivided_tokens_and_logprobs(model):
     assert s["pieces"] >= 8 * 5  # ceil(30 / 7) = 5 pieces each
     assert s["migrations"] > 0 and s["transferred_tokens"] > 0
     assert s["policy_probes"] >= 2  # the probes' pieces (one probe per group) ran first
-    assert not d._live and d.policy.pending() == 0 and not d.policy._reqs  # nothing left behind
+    assert not d._live and d.policy.pending() == 0 and not d.policy.policy._reqs  # nothing left behind
+    # the gateway path's decisions are the ones the simulator's policy makes on the same events
+    fresh = make_dispatch("seer", 2, chunk_tokens=7)
+    assert replay(d.policy.calls, fresh) == len(d.policy.calls) > 40
 
 
 def test_recompute_migration_and_sampled_requests_are_reproducible(model):

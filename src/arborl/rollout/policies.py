@@ -131,7 +131,7 @@ class Traced:
 
     METHODS = frozenset(
         {"can_start", "on_start", "on_finish", "on_fail", "take_batch", "on_version",
-         "submit", "next_for", "on_chunk_done", "requeue", "cancel_group", "cancel"}
+         "submit", "next_for", "on_chunk_done", "requeue", "cancel_group", "cancel", "forget"}
     )
 
     def __getattr__(self, name: str):
