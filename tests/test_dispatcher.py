@@ -231,3 +231,111 @@ def test_scripted_tool_episode_through_the_gateway_in_pieces():
         assert health["dispatch"]["pieces"] > health["dispatch"]["requests"] >= 3
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("policy", ["seer", "pinned"])
+def test_an_engine_shutting_down_mid_run_loses_no_request(model, policy):
+    """One of two engines shuts down while requests run on it: with Seer the lost pieces continue on
+    the other engine from their tokens; pinned groups are re-pinned; every request completes. With no
+    engine left, a new request fails at once with EngineClosedError."""
+    from arborl.engine import EngineClosedError
+
+    async def run():
+        engines = _engines(model, 2, batch=2)
+        try:
+            pol = SeerDispatch(chunk_tokens=6) if policy == "seer" else PinnedDispatch(2)
+            d = Dispatcher(engines, pol, migration="transfer")
+            futs = [asyncio.ensure_future(d.generate(_req(i, n=40), f"g{i}")) for i in range(6)]
+            while not engines[1].engine.num_running:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(engines[1].shutdown)
+            results = await asyncio.gather(*futs, return_exceptions=True)
+            engines[0].shutdown()
+            with pytest.raises(EngineClosedError):
+                await d.generate(_req(9), "g9")
+            return results, d
+        finally:
+            _close(engines)
+
+    results, d = asyncio.run(run())
+    if policy == "seer":
+        assert all(not isinstance(r, BaseException) and len(r.token_ids) == 40 for r in results), results
+        assert d.stats()["rescued"] + d.stats()["migrations"] > 0
+    else:  # a request running on the engine that went away fails (retry); the queued ones are re-pinned
+        done = [r for r in results if not isinstance(r, BaseException)]
+        assert done and all(len(r.token_ids) == 40 for r in done)
+        assert all(isinstance(r, EngineClosedError) for r in results if isinstance(r, BaseException))
+    assert not d._live and d.policy.pending() == 0 and not d.policy._reqs
+
+
+def test_transfer_from_a_closed_engine_falls_back_to_recompute(model):
+    async def run():
+        engines = _engines(model, 2, batch=1)
+        ref = _engines(model, 1, batch=1)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=5), migration="transfer")
+            first = await d.generate(_req(0, n=5), "g")  # its KV now lives on one engine (its home)
+            live_home = int(first.engine_id[-1])
+            await asyncio.to_thread(engines[live_home].shutdown)
+            # a continuation of the same lineage on the survivor: the home is gone, it recomputes
+            cont = GenerateRequest(first.prompt_token_ids + first.token_ids,
+                                   SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), request_id="c")
+            got = await d.generate(cont, "g")
+            want = await ref[0].generate(copy.deepcopy(cont))
+            return got, want, d
+        finally:
+            _close(engines + ref)
+
+    got, want, d = asyncio.run(run())
+    assert got.token_ids == want.token_ids and d.stats()["transferred_tokens"] == 0
+
+
+def test_closing_a_stream_early_aborts_the_request(model):
+    async def run():
+        engines = _engines(model, 1, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=8))
+            n = 0
+            agen = d.stream(_req(0, n=200), "g")
+            async for ev in agen:
+                n += 1
+                if n == 12:
+                    break
+            await agen.aclose()
+            while d._live or engines[0].engine.num_running:
+                await asyncio.sleep(0.01)
+            return d, engines[0].engine.stats.aborted
+        finally:
+            _close(engines)
+
+    d, aborted = asyncio.run(run())
+    assert aborted >= 1 and not d._live and not d.policy._reqs and d.policy.pending() == 0
+
+
+def test_stop_strings_through_the_dispatcher_match_an_undivided_request():
+    """Sampled requests with stop strings, served in 2-token pieces over two engines, stop exactly
+    where the same requests served whole stop (same seeds: the first piece's tokens are the same)."""
+    loaded = load_model(ModelConfig(source="tiny", tiny_tokenizer="smollm2", seed=0))
+    tok = loaded.tokenizer
+
+    def engines(n):
+        return [AsyncEngine(LLMEngine(loaded.model, EngineConfig(max_batch_size=4, max_seq_len=256, engine_id=f"e{i}"),
+                                      eos_token_ids=loaded.eos_token_ids, tokenizer=tok, seed=i)) for i in range(n)]
+
+    async def run():
+        ref, eng = engines(1), engines(2)
+        try:
+            base = tok.encode("Once upon a time")
+            greedy = await ref[0].generate(GenerateRequest(base, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))
+            text = tok.decode(greedy.token_ids)
+            stops = [text[len(text) // 2 : len(text) // 2 + 2]]  # somewhere in the middle, likely across pieces
+            req = GenerateRequest(base, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stops),
+                                  request_id="s")
+            d = Dispatcher(eng, SeerDispatch(chunk_tokens=2))
+            return await ref[0].generate(copy.deepcopy(req)), await d.generate(copy.deepcopy(req), "g")
+        finally:
+            _close(ref + eng)
+
+    whole, pieces = asyncio.run(run())
+    assert whole.finish_reason == FinishReason.STOP and len(whole.token_ids) < 30
+    assert pieces.finish_reason == FinishReason.STOP and pieces.token_ids == whole.token_ids

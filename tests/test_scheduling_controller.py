@@ -98,9 +98,10 @@ def test_seer_dispatch_in_training_divides_requests_over_engines(tmp_path):
 
 
 def test_abort_resume_and_oversampling_in_training(tmp_path):
-    """Async consumption with abort-and-resume partial rollout through the dispatcher, and synchronous
-    over-sampling (surplus groups cancelled): both train, every token's version is one the trainer
-    published, and a call's versions never go down."""
+    """Async consumption with partial_rollout=abort_resume (the gateway gets a dispatcher; whether a
+    request happens to be in flight at a publish is timing, so resumption itself is tested in
+    test_dispatcher), and synchronous over-sampling (surplus groups cancelled or dropped): both train,
+    every token's version is one the trainer published, and a call's versions never go down."""
     cfg = tiny_cfg(tmp_path, "resume", "scheduling.consume=async_ratio", "scheduling.partial_rollout=abort_resume",
                    "gateway.num_engines=2", "rollout.steps=3", "rollout.max_tokens=24")
     assert train(cfg)["steps"] == 3

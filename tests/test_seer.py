@@ -252,3 +252,50 @@ def test_factory_and_protocol():
     p.submit(RequestSpec("a", "g", 5), 0.0)
     with pytest.raises(ValueError, match="twice"):
         p.submit(RequestSpec("a", "g", 5), 0.0)
+
+
+def test_a_queued_probe_stays_queued_when_its_group_first_finishes_at_the_cap():
+    """Regression: the probe is back in the queue (preempted) when another member finishes at exactly
+    max_tokens; the group's estimate does not change, but the probe is no longer one and must still be
+    dispatched (it was once dropped from every queue)."""
+    p = SeerDispatch(chunk_tokens=8)
+    p.submit(RequestSpec("a0", "a", 8), 0.0)
+    p.submit(RequestSpec("a1", "a", 8), 0.0)
+    assert p.next_for(0, 0.0).request_id == "a0"
+    assert p.next_for(1, 0.0).request_id == "a1"
+    p.requeue("a0", 3, 1.0)
+    p.on_chunk_done("a1", 8, True, 2.0)
+    x = p.next_for(0, 3.0)
+    assert x is not None and x.request_id == "a0" and not x.probe and x.max_new_tokens == 5
+    assert p.pending() == 0 and p.next_for(0, 4.0) is None
+
+
+def test_forget_frees_finished_requests_and_idle_groups(monkeypatch):
+    import arborl.rollout.seer as seer
+
+    monkeypatch.setattr(seer, "MAX_IDLE_GROUPS", 2)
+    for p in (SeerDispatch(chunk_tokens=0), PinnedDispatch(2)):
+        for g in range(4):
+            rid = f"r{g}"
+            p.submit(RequestSpec(rid, f"g{g}", 4), 0.0)
+            a = p.next_for(p.instance_of(f"g{g}") if isinstance(p, PinnedDispatch) else 0, 0.0)
+            assert a.request_id == rid
+            p.on_chunk_done(rid, 4, True, 1.0)
+            p.forget(rid)
+        assert not p._reqs and sorted(p._groups) == ["g2", "g3"]  # the two most recent idle groups kept
+        if isinstance(p, PinnedDispatch):
+            assert sorted(p._pin) == ["g2", "g3"] and p._load == [0, 0]
+
+
+def test_pinned_moves_a_gone_instances_groups():
+    p = PinnedDispatch(2)
+    for g in range(4):
+        p.submit(RequestSpec(f"r{g}", f"g{g}", 4), 0.0)
+    on1 = [g for g in range(4) if p.instance_of(f"g{g}") == 1]
+    assert on1
+    p.remove_instance(1)
+    assert all(p.instance_of(f"g{g}") == 0 for g in range(4))
+    got = [p.next_for(0, 0.0).request_id for _ in range(4)]
+    assert sorted(got) == ["r0", "r1", "r2", "r3"] and p.next_for(1, 0.0) is None
+    p.submit(RequestSpec("r9", "g9", 4), 0.0)
+    assert p.instance_of("g9") == 0

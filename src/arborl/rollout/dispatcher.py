@@ -17,6 +17,11 @@ pieces in flight are aborted before the new weights load and go back to the queu
 under the new policy (partial rollout, abort and resume). Without it they continue on their engine,
 which recomputes their KV and stamps later tokens with the new version.
 
+An engine that shuts down gets nothing more; a request whose piece was lost with it continues on
+another engine from its tokens (unless that piece was already streamed to the caller); with no
+engine left, requests fail with ``EngineClosedError``. A dispatcher serves one event loop (the
+gateway's); another loop calling it gets a RuntimeError rather than a silent hang.
+
 The decisions (which request, where, how many tokens) are the policy's alone: the same classes the
 simulator drives.
 """
@@ -50,6 +55,8 @@ class _Live:
     piece_id: str | None = None
     aborted: bool = False
     preempted: bool = False  # aborted for a weight update: goes back to the queue
+    complete: bool = False  # ended by itself (stop, its max_tokens, the context), whatever aborts came late
+    streamed: int = 0  # tokens handed to a streaming caller
 
     @property
     def generated(self) -> int:
@@ -70,10 +77,11 @@ class Dispatcher:
         self._live: dict[str, _Live] = {}
         self._pieces = [0] * len(self.engines)  # pieces in flight per engine
         self._down: set[int] = set()
-        self._paused = False
+        self._paused = 0  # weight updates in progress
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._t0 = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
-        self.counts = {"requests": 0, "pieces": 0, "migrations": 0, "transferred_tokens": 0, "resumed": 0}
+        self.counts = {"requests": 0, "pieces": 0, "migrations": 0, "transferred_tokens": 0, "resumed": 0, "rescued": 0}
 
     # -- the caller's side ------------------------------------------------------------------------
     def front(self, group_id: str) -> "DispatchedEngine":
@@ -114,16 +122,9 @@ class Dispatcher:
         elif live.engine is None:
             self._finish(live)
 
-    def cancel_group(self, group_id: str) -> None:
-        for rid in [r for r, live in self._live.items() if live.group_id == group_id]:
-            self.abort(rid)
-
     @property
     def version(self) -> int:
         return max(e.version for e in self.engines)
-
-    def load(self) -> int:
-        return len(self._live)
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counts.items()}
@@ -136,7 +137,8 @@ class Dispatcher:
     async def updating(self, *, abort_resume: bool):
         """Wrap a weight update of every engine. ``abort_resume``: pieces in flight are aborted first
         and resume from their tokens, under the new weights, once the update is done."""
-        self._paused = True
+        self._check_loop()
+        self._paused += 1
         try:
             if abort_resume:
                 waiting = []
@@ -150,20 +152,28 @@ class Dispatcher:
                     await asyncio.sleep(0.005)
             yield
         finally:
-            self._paused = False
+            self._paused -= 1
             self._pump()
-
-    async def close(self) -> None:
-        for rid in list(self._live):
-            self.abort(rid)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------------------
     def _now(self) -> float:
         return time.monotonic() - self._t0
 
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None or (self._loop is not loop and (self._loop.is_closed() or not self._live)):
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("a Dispatcher serves one event loop: call it from the loop that runs the gateway "
+                               "(or give each loop its own gateway)")
+
+    def _alive(self) -> list[int]:
+        return [i for i, e in enumerate(self.engines) if i not in self._down and not e.closed]
+
     def _submit(self, request: GenerateRequest, group_id: str, *, stream: bool) -> _Live:
+        self._check_loop()
+        if not self._alive():
+            raise EngineClosedError("no engine is serving (all were shut down)")
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
@@ -176,8 +186,23 @@ class Dispatcher:
 
     def _room(self, i: int) -> bool:
         eng = self.engines[i]
+        if eng.closed and i not in self._down:
+            self._mark_down(i)
         # our own count: the engine's lags behind a finished piece, and nothing else feeds these engines
-        return i not in self._down and not eng.closed and self._pieces[i] < eng.engine.config.max_batch_size
+        return i not in self._down and self._pieces[i] < eng.engine.config.max_batch_size
+
+    def _mark_down(self, i: int) -> None:
+        """Engine ``i`` shut down: the policy sends nothing more there; with no engine left, every
+        queued request fails (a retry gets a clear error)."""
+        if i in self._down:
+            return
+        self._down.add(i)
+        self.policy.remove_instance(i)
+        if not self._alive():
+            err = EngineClosedError("no engine is serving (all were shut down)")
+            for live in [x for x in self._live.values() if x.engine is None]:
+                self.policy.cancel(live.request.request_id)
+                self._fail(live, err)
 
     def _pump(self) -> None:
         if self._paused:
@@ -205,7 +230,11 @@ class Dispatcher:
                 return
 
     def _launch(self, a: Assignment) -> None:
-        live = self._live[a.request_id]
+        live = self._live.get(a.request_id)
+        if live is None:  # defensive: a request that already ended must not run
+            self.policy.cancel(a.request_id)
+            self.policy.forget(a.request_id)
+            return
         req = live.request
         piece = continuation(req.prompt_token_ids, live.pieces, req.params, request_id=f"{req.request_id}#{len(live.pieces)}",
                              chunk_tokens=a.max_new_tokens, priority=a.priority)
@@ -224,10 +253,8 @@ class Dispatcher:
         try:
             if live.home is not None and live.home != i:
                 self.counts["migrations"] += 1
-                if self.migration == "transfer" and live.home not in self._down:
-                    kv, version = await self.engines[live.home].export_kv(piece.prompt_token_ids)
-                    if kv is not None:
-                        self.counts["transferred_tokens"] += await eng.import_kv(piece.prompt_token_ids, kv, version)
+                if self.migration == "transfer":
+                    await self._transfer(live.home, i, piece.prompt_token_ids)
             if live.aborted or live.preempted:  # stopped while its KV was moving: the engine never saw it
                 result = GenerateResult(piece.request_id, piece.prompt_token_ids, [], [], [], [], FinishReason.ABORT)
             elif live.events is None:
@@ -237,20 +264,28 @@ class Dispatcher:
                 async for ev in eng.stream(piece):
                     if isinstance(ev, TokenEvent):
                         ev.index += offset
+                        live.streamed += 1
                         live.events.put_nowait(ev)
                     else:
                         result = ev
-        except asyncio.CancelledError:
-            error = EngineClosedError("the dispatcher was closed")
-        except Exception as e:  # noqa: BLE001 - one request's failure never stops the others
-            error = e
-            if isinstance(e, EngineClosedError):
-                self._down.add(i)
-        finally:
+        except asyncio.CancelledError:  # the loop is going away: end the request, start nothing new
             self._pieces[i] -= 1
             live.engine, live.piece_id = None, None
+            self.policy.cancel(live.request.request_id)
+            self._fail(live, EngineClosedError("the dispatcher's event loop was cancelled"))
+            raise
+        except Exception as e:  # noqa: BLE001 - one request's failure never stops the others
+            error = e
+        self._pieces[i] -= 1
+        live.engine, live.piece_id = None, None
         try:
-            if error is not None:
+            if isinstance(error, EngineClosedError):
+                self._mark_down(i)
+            if (isinstance(error, EngineClosedError) and self._alive() and not live.aborted
+                    and live.streamed == live.generated):  # divided rollout: go on elsewhere from its tokens
+                self.counts["rescued"] += 1
+                self.policy.requeue(live.request.request_id, live.generated, self._now())
+            elif error is not None:
                 self.policy.cancel(live.request.request_id)
                 self._fail(live, error)
             else:
@@ -260,6 +295,21 @@ class Dispatcher:
             log.exception("dispatching request %s failed", live.request.request_id)
             self._fail(live, e)
         self._pump()
+
+    async def _transfer(self, src: int, dst: int, tokens: list[int]) -> None:
+        """Copy the KV of ``tokens``' cached prefix from engine ``src`` to ``dst``; on any trouble the
+        piece simply recomputes it."""
+        if src in self._down or self.engines[src].closed:
+            return
+        try:
+            kv, version = await self.engines[src].export_kv(tokens)
+            if kv is not None:
+                self.counts["transferred_tokens"] += await self.engines[dst].import_kv(tokens, kv, version)
+        except EngineClosedError:
+            if self.engines[src].closed:
+                self._mark_down(src)
+        except Exception:  # noqa: BLE001
+            log.exception("KV transfer from engine %d to %d failed; recomputing", src, dst)
 
     def _piece_done(self, live: _Live, i: int, piece: GenerateRequest, result: GenerateResult) -> None:
         rid = live.request.request_id
@@ -273,13 +323,15 @@ class Dispatcher:
             self.policy.requeue(rid, generated, self._now())
             return
         live.preempted = False
-        finished = (
-            live.aborted
-            or result.finish_reason != FinishReason.LENGTH
-            or len(result.token_ids) < piece.params.max_tokens  # the engine's context is full ...
-            or len(piece.prompt_token_ids) + len(result.token_ids) >= self.engines[i].engine.config.max_seq_len  # ... now
-            or generated >= live.request.params.max_tokens
+        live.complete = result.finish_reason == FinishReason.STOP or (
+            result.finish_reason == FinishReason.LENGTH
+            and (
+                len(result.token_ids) < piece.params.max_tokens  # the engine's context is full ...
+                or len(piece.prompt_token_ids) + len(result.token_ids) >= self.engines[i].engine.config.max_seq_len
+                or generated >= live.request.params.max_tokens
+            )
         )
+        finished = live.aborted or live.complete
         self.policy.on_chunk_done(rid, generated, finished, self._now())
         if finished:
             self._finish(live)
@@ -292,7 +344,7 @@ class Dispatcher:
         if live.pieces:
             res = merge(req.prompt_token_ids, live.pieces)
             res.request_id = rid
-            if live.aborted:
+            if live.aborted and not live.complete:
                 res.finish_reason = FinishReason.ABORT
         else:
             res = GenerateResult(rid, list(req.prompt_token_ids), [], [], [], [], FinishReason.ABORT)
@@ -304,6 +356,7 @@ class Dispatcher:
     def _fail(self, live: _Live, error: BaseException) -> None:
         rid = live.request.request_id
         self._live.pop(rid, None)
+        self.policy.cancel(rid)
         self.policy.forget(rid)
         if live.events is not None:
             live.events.put_nowait(None)

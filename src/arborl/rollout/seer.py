@@ -28,12 +28,13 @@ from __future__ import annotations
 import abc
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from arborl.rollout.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, RequestSpec
 
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
+MAX_IDLE_GROUPS = 65536  # groups with no request left that keep their statistics (forget())
 
 
 @dataclass(slots=True)
@@ -69,10 +70,14 @@ class _Dispatch(abc.ABC):
         self._orders = 0
         self._enqs = 0
         self._pending = 0
+        self._idle: OrderedDict[str, None] = OrderedDict()  # groups whose requests were all forgotten, oldest first
         self.counts = {"assignments": 0, "chunks": 0, "migrations": 0, "probes": 0, "starved": 0, "cancelled": 0}
 
     def pending(self) -> int:
         return self._pending
+
+    def remove_instance(self, instance: int) -> None:
+        """Instance ``instance`` is gone for good (its engine shut down): nothing more goes there."""
 
     def request(self, request_id: str) -> _Req:
         return self._reqs[request_id]
@@ -81,6 +86,7 @@ class _Dispatch(abc.ABC):
         if spec.request_id in self._reqs:
             raise ValueError(f"request {spec.request_id!r} submitted twice")
         g = self._groups.setdefault(spec.group_id, _Group())
+        self._idle.pop(spec.group_id, None)
         r = _Req(spec.request_id, spec.group_id, spec.max_tokens, spec.generated, self._orders,
                  probe=not (g.requests or g.forgotten))
         self._orders += 1
@@ -136,6 +142,15 @@ class _Dispatch(abc.ABC):
         g = self._groups[r.group_id]
         g.requests.remove(request_id)
         g.forgotten += 1
+        if not g.requests:  # keep its length statistics a while (more turns may come), then let it go
+            self._idle[r.group_id] = None
+            while len(self._idle) > MAX_IDLE_GROUPS:
+                gid, _ = self._idle.popitem(last=False)
+                del self._groups[gid]
+                self._on_group_dropped(gid)
+
+    def _on_group_dropped(self, group_id: str) -> None:
+        pass
 
     def _assign(self, r: _Req, instance: int, chunk: int, *, starved: bool = False) -> Assignment:
         left = r.max_tokens - r.generated
@@ -186,14 +201,42 @@ class PinnedDispatch(_Dispatch):
         self._pin: dict[str, int] = {}
         self._queues: list[deque[str]] = [deque() for _ in range(instances)]
         self._load = [0] * instances  # outstanding (queued + running) requests
+        self._removed: set[int] = set()
 
     def instance_of(self, group_id: str) -> int | None:
         return self._pin.get(group_id)
 
+    def _alive(self) -> list[int]:
+        return [i for i in range(self.instances) if i not in self._removed]
+
     def submit(self, spec: RequestSpec, now: float) -> None:
         if spec.group_id not in self._pin:
-            self._pin[spec.group_id] = min(range(self.instances), key=lambda i: (self._load[i], i))
+            alive = self._alive() or list(range(self.instances))
+            self._pin[spec.group_id] = min(alive, key=lambda i: (self._load[i], i))
         super().submit(spec, now)
+
+    def remove_instance(self, instance: int) -> None:
+        """Re-pin the groups of a gone instance to the least loaded others, queued requests with them."""
+        self._removed.add(instance)
+        alive = self._alive()
+        if not alive:
+            return
+        for gid, i in list(self._pin.items()):
+            if i != instance:
+                continue
+            j = min(alive, key=lambda k: (self._load[k], k))
+            n = sum(self._reqs[rid].state in (PENDING, RUNNING) for rid in self._groups[gid].requests)
+            self._load[instance] -= n
+            self._load[j] += n
+            self._pin[gid] = j
+        q = self._queues[instance]
+        while q:
+            r = self._reqs.get(q.popleft())
+            if r is not None and r.state == PENDING:
+                self._queues[self._pin[r.group_id]].append(r.request_id)
+
+    def _on_group_dropped(self, group_id: str) -> None:
+        self._pin.pop(group_id, None)
 
     def _enqueue(self, r: _Req, now: float, front: bool = False) -> None:
         i = self._pin[r.group_id]
@@ -271,10 +314,11 @@ class SeerDispatch(_Dispatch):
 
     def _on_progress(self, r: _Req, g: _Group) -> None:
         before = self.estimate(r.group_id)
+        first_finish = r.state == DONE and g.longest_finished is None  # a queued probe stops being one
         g.longest_generated = max(g.longest_generated, r.generated)
         if r.state == DONE:
             g.longest_finished = max(g.longest_finished or 0, r.generated)
-        if self.context_aware and self.estimate(r.group_id) != before:
+        if self.context_aware and (first_finish or self.estimate(r.group_id) != before):
             for rid in g.requests:  # re-key the group's queued requests (and un-probe them)
                 o = self._reqs[rid]
                 if o.state == PENDING and not self._is_probe(o):
@@ -298,8 +342,10 @@ class SeerDispatch(_Dispatch):
         while self._probes:
             enq, rid = heapq.heappop(self._probes)
             r = self._reqs.get(rid)
-            if r is not None and r.state == PENDING and r.enq == enq and self._is_probe(r):
-                return self._assign(r, instance, self.chunk_tokens)
+            if r is not None and r.state == PENDING and r.enq == enq:
+                if self._is_probe(r):
+                    return self._assign(r, instance, self.chunk_tokens)
+                self._push(r)  # no longer a probe: it stays queued, by its estimate (one valid entry)
         while self._heap:
             _, enq, ticket, rid = heapq.heappop(self._heap)
             r = self._reqs.get(rid)
