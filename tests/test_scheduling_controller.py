@@ -95,6 +95,13 @@ def test_seer_dispatch_in_training_divides_requests_over_engines(tmp_path):
     assert calls and all(len(c.completion_token_ids) <= 8 for c in calls)
     assert any(len(c.completion_token_ids) > 3 for c in calls)  # merged across pieces
     assert any("," in c.engine_id for c in calls)  # one call served by both engines
+    # the timeline has a span per piece: chunks and finishes, on both engines, probes marked
+    spans = [json.loads(x) for x in (cfg.run_dir / "timeline" / "spans.jsonl").read_text().splitlines()]
+    spans = [x for x in spans if x["kind"] == "span"]
+    assert {x["ended"] for x in spans} >= {"chunk", "finish"} and {x["instance"] for x in spans} == {0, 1}
+    assert any(x["probe"] for x in spans) and {x["step"] for x in spans} == {0, 1}
+    assert len(spans) == last["dispatch/pieces"]
+    assert (cfg.run_dir / "timeline" / "step0002.png").stat().st_size > 1000
 
 
 def test_abort_resume_and_oversampling_in_training(tmp_path):

@@ -38,6 +38,7 @@ from typing import AsyncIterator, Sequence
 from arborl.engine import AsyncEngine, EngineClosedError, TokenEvent
 from arborl.rollout.partial import continuation, merge
 from arborl.rollout.policies import Assignment, RequestSpec
+from arborl.rollout.timeline import Timeline
 from arborl.types import FinishReason, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,24 @@ class Dispatcher:
         self._t0 = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self.counts = {"requests": 0, "pieces": 0, "migrations": 0, "transferred_tokens": 0, "resumed": 0, "rescued": 0}
+        self.timeline: Timeline | None = None  # when set, one span per piece (engine, tokens, why it ended)
+        self.timeline_t0 = 0.0  # wall time (time.time()) the timeline's clock starts at
+        self.step = 0  # trainer step stamped on the spans (the controller sets it)
+
+    def record(self, timeline: Timeline | None, *, t0: float, step: int) -> None:
+        """Record pieces into ``timeline`` (None: stop recording), clock from ``t0``, as ``step``."""
+        self.timeline, self.timeline_t0, self.step = timeline, t0, step
+
+    def _span(self, live: _Live, ended: str | None = None, tokens: int = 0, *, instance: int = 0, probe: bool = False) -> None:
+        if self.timeline is None:
+            return
+        t = time.time() - self.timeline_t0
+        rid = live.request.request_id
+        if ended is None:
+            self.timeline.start(t, rid, live.group_id, instance, version=self.engines[instance].version, probe=probe,
+                                step=self.step)
+        else:
+            self.timeline.end(t, rid, tokens, ended)
 
     # -- the caller's side ------------------------------------------------------------------------
     def front(self, group_id: str) -> "DispatchedEngine":
@@ -240,6 +259,7 @@ class Dispatcher:
                              chunk_tokens=a.max_new_tokens, priority=a.priority)
         assert piece is not None, "the policy assigned a request that is complete"
         live.engine, live.piece_id = a.instance, piece.request_id
+        self._span(live, instance=a.instance, probe=a.probe)
         self._pieces[a.instance] += 1
         self.counts["pieces"] += 1
         task = asyncio.ensure_future(self._serve(live, a.instance, piece))
@@ -269,6 +289,7 @@ class Dispatcher:
                     else:
                         result = ev
         except asyncio.CancelledError:  # the loop is going away: end the request, start nothing new
+            self._span(live, "cancel")
             self._pieces[i] -= 1
             live.engine, live.piece_id = None, None
             self.policy.cancel(live.request.request_id)
@@ -281,6 +302,8 @@ class Dispatcher:
         try:
             if isinstance(error, EngineClosedError):
                 self._mark_down(i)
+            if error is not None:
+                self._span(live, "cancel")
             if (isinstance(error, EngineClosedError) and self._alive() and not live.aborted
                     and live.streamed == live.generated):  # divided rollout: go on elsewhere from its tokens
                 self.counts["rescued"] += 1
@@ -318,6 +341,7 @@ class Dispatcher:
             live.home = i
         generated = live.generated
         if live.preempted and not live.aborted and result.finish_reason == FinishReason.ABORT:
+            self._span(live, "chunk", len(result.token_ids))
             live.preempted = False
             self.counts["resumed"] += 1
             self.policy.requeue(rid, generated, self._now())
@@ -332,6 +356,7 @@ class Dispatcher:
             )
         )
         finished = live.aborted or live.complete
+        self._span(live, "finish" if live.complete else "cancel" if finished else "chunk", len(result.token_ids))
         self.policy.on_chunk_done(rid, generated, finished, self._now())
         if finished:
             self._finish(live)

@@ -40,6 +40,7 @@ class ScheduledRollout:
         self._next = 0
         self.t0 = time.time()
         self.timeline = Timeline() if s.timeline else None
+        self.dispatcher = ctl.gateway.dispatcher  # when set, it records per-piece spans into the timeline
 
     # -- producer ---------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -99,6 +100,8 @@ class ScheduledRollout:
     async def train_step(self, step: int) -> dict[str, float]:
         ctl, cfg = self.ctl, self.ctl.cfg
         t0 = time.perf_counter()
+        if self.dispatcher is not None and self.timeline is not None:
+            self.dispatcher.record(self.timeline, t0=self.t0, step=step)
         b = await self._next_batch()
         wait_s = time.perf_counter() - t0
         self.cancel(b.cancel)
@@ -120,7 +123,7 @@ class ScheduledRollout:
             publish_s = await ctl.publish()
             self.cancel(self.policy.on_version(ctl.version))
         if self.timeline is not None:
-            for gid, eps in groups.items():
+            for gid, eps in groups.items() if self.dispatcher is None else ():
                 for e in eps:
                     self.timeline.add_calls(e.calls, group_id=gid, step=step, t0=self.t0)
             self.timeline.mark(time.time() - self.t0, "publish", step=step)

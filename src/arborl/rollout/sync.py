@@ -185,6 +185,11 @@ class SyncController:
             return await self._scheduled.train_step(step)
         r = self.cfg.rollout
         t0 = time.perf_counter()
+        dispatcher = self.gateway.dispatcher
+        if dispatcher is not None and self.cfg.scheduling.timeline:  # per-piece spans (engine, chunk) for the Gantt
+            from arborl.rollout.timeline import Timeline
+
+            dispatcher.record(Timeline(), t0=time.time(), step=step)
         tasks = self.suite.tasks("train", r.batch_tasks, seed=episode_seed(self.cfg.seed, "tasks", step) % 2**31)
         episodes = await self.run_group_batch(tasks, r.group_size, temperature=r.temperature, tag=f"step{step}")
         rollout_s = time.perf_counter() - t0
@@ -199,9 +204,13 @@ class SyncController:
             from arborl.rollout.scheduled import write_step_timeline
             from arborl.rollout.timeline import Timeline
 
-            tl, wall0 = Timeline(), min((c.created_at - c.latency_s for e in episodes for c in e.calls), default=0.0)
-            for e in episodes:
-                tl.add_calls(e.calls, group_id=e.group_id, step=step, t0=wall0)
+            if dispatcher is not None:
+                tl = dispatcher.timeline
+                dispatcher.record(None, t0=0.0, step=step)
+            else:
+                tl, wall0 = Timeline(), min((c.created_at - c.latency_s for e in episodes for c in e.calls), default=0.0)
+                for e in episodes:
+                    tl.add_calls(e.calls, group_id=e.group_id, step=step, t0=wall0)
             await asyncio.to_thread(write_step_timeline, tl, self.cfg.run_dir, step, f"{self.cfg.name} step {step + 1} (sync)")
         return {
             "step": step + 1,
