@@ -10,7 +10,9 @@
 4. real engines: 2 built-in engine instances (tiny Llama, CPU), long-tailed lengths forced with
    ignore_eos, the same policy classes driven by the same driver, each instance's clock advanced by
    its measured step times; ratios, next to the simulator's prediction for the same workload with
-   the calibrated cost model; and KV migration measured: recompute vs transfer.
+   the calibrated cost model; and KV migration measured: recompute vs transfer;
+5. the product path: the gateway's Dispatcher over 2 in-process engines (wall clock; they share this
+   machine's cores), Seer vs pinned, and the cost of serving requests in pieces on one engine.
 Gantt PNGs of the simulated sync/pinned and sync/seer steps go to runs/bench-scheduling/.
 """
 
@@ -175,6 +177,52 @@ def _migration(model, contexts: list[int], reps: int = 3) -> list[dict]:
             assert moved >= n - 2, (moved, n)
         rows.append({"context": n, "recompute_s": statistics.median(rec), "transfer_s": statistics.median(tra)})
     return rows
+
+
+def _gateway_path(model, rcfg: Config, reps: int) -> dict:
+    """The product path: the gateway's Dispatcher over 2 threaded AsyncEngines in this one process,
+    the real workload's requests (lengths forced with ignore_eos), wall clock. Here the two engines
+    share the machine's cores (they are not two machines), so this measures what divided rollout
+    costs and whether placement still pays, not the cluster-level gain of the driver runs above."""
+    import asyncio
+
+    from arborl.engine import AsyncEngine
+    from arborl.rollout.dispatcher import Dispatcher
+    from arborl.rollout.seer import PinnedDispatch
+
+    wl = workload(rcfg.sim)
+    g = torch.Generator().manual_seed(0)
+    reqs = []
+    for gi in range(rcfg.sim.prompts):
+        prompt = torch.randint(0, TINY["vocab"] - 1, (rcfg.sim.prompt_tokens,), generator=g).tolist()
+        for p in wl.group(gi):
+            reqs.append((f"g{gi}", prompt, SamplingParams(max_tokens=p.turns[0].tokens, ignore_eos=True,
+                                                          seed=gi * 100 + p.member), f"g{gi}m{p.member}"))
+
+    async def run(n_engines: int, policy) -> tuple[float, dict]:
+        engines = [AsyncEngine(LLMEngine(model, EngineConfig(max_batch_size=8, max_seq_len=512, engine_id=f"e{i}"),
+                                         eos_token_ids=[TINY["vocab"] - 1], seed=i)) for i in range(n_engines)]
+        try:
+            d = Dispatcher(engines, policy, migration="transfer")
+            t0 = time.perf_counter()
+            await asyncio.gather(*(d.generate(GenerateRequest(list(pr), sp, request_id=rid), gid) for gid, pr, sp, rid in reqs))
+            return time.perf_counter() - t0, d.stats()
+        finally:
+            for e in engines:
+                e.shutdown()
+
+    chunk = rcfg.scheduling.chunk_tokens
+    times: dict[str, list[float]] = {"pinned2": [], "seer2": [], "whole1": [], "pieces1": []}
+    stats = {}
+    for _ in range(reps):  # alternating, medians
+        times["pinned2"].append(asyncio.run(run(2, PinnedDispatch(2)))[0])
+        t, stats = asyncio.run(run(2, SeerDispatch(chunk_tokens=chunk)))
+        times["seer2"].append(t)
+        times["whole1"].append(asyncio.run(run(1, SeerDispatch(chunk_tokens=0)))[0])
+        times["pieces1"].append(asyncio.run(run(1, SeerDispatch(chunk_tokens=chunk)))[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"seconds": med, "seer_pieces": stats["pieces"], "requests": stats["requests"],
+            "seer_migrations": stats["migrations"], "transferred_tokens": stats["transferred_tokens"]}
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -351,6 +399,16 @@ def run(quick: bool, console: Console) -> dict:
     figures["real_async_max_version_gap"] = int(real["async_ratio/pinned"]["max_version_gap"])
     figures["simpred_real_seer_vs_sync_throughput"] = round(pred["sync/seer"]["rollout_tokens_per_s"] / pb["rollout_tokens_per_s"], 3)
     figures["simpred_real_async_vs_sync_throughput"] = round(pred["async_ratio/pinned"]["train_tokens_per_s"] / pb["train_tokens_per_s"], 3)
+
+    gp = _gateway_path(model, rcfg, reps=2 if quick else 3)
+    sec = gp["seconds"]
+    console.print(f"  gateway path (Dispatcher, 2 in-process engines sharing the cores, wall clock): pinned "
+                  f"{sec['pinned2']:.2f} s, seer {sec['seer2']:.2f} s ({gp['seer_pieces']:.0f} pieces for "
+                  f"{gp['requests']:.0f} requests, {gp['seer_migrations']:.0f} migrations); one engine: whole requests "
+                  f"{sec['whole1']:.2f} s, in {rcfg.scheduling.chunk_tokens}-token pieces {sec['pieces1']:.2f} s")
+    figures["real_gateway_seer_vs_pinned_throughput"] = round(sec["pinned2"] / sec["seer2"], 3)
+    figures["real_gateway_piece_overhead"] = round(sec["pieces1"] / sec["whole1"] - 1, 3)
+    figures["real_gateway"] = gp
 
     mig = _migration(model, [128, 448] if quick else [64, 128, 256, 448])
     for m in mig:
