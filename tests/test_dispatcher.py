@@ -339,3 +339,36 @@ def test_stop_strings_through_the_dispatcher_match_an_undivided_request():
     whole, pieces = asyncio.run(run())
     assert whole.finish_reason == FinishReason.STOP and len(whole.token_ids) < 30
     assert pieces.finish_reason == FinishReason.STOP and pieces.token_ids == whole.token_ids
+
+
+def test_a_piece_running_across_steps_is_in_the_step_it_ends_in(model):
+    from arborl.rollout.timeline import Timeline
+
+    async def run():
+        engines = _engines(model, 1, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=0))
+            tl = Timeline()
+            d.record(tl, t0=0.0, step=0)
+            fut = asyncio.ensure_future(d.generate(_req(0, n=150), "g"))
+            while not engines[0].engine.num_running:
+                await asyncio.sleep(0.005)
+            d.record(tl, t0=0.0, step=1)  # the controller moved on to the next step
+            await fut
+            return tl
+        finally:
+            _close(engines)
+
+    (span,) = asyncio.run(run()).spans
+    assert span.step == 1 and span.ended == "finish" and span.tokens == 150
+
+
+def test_kv_import_into_an_engine_without_a_prefix_cache_moves_nothing(model):
+    src = LLMEngine(model, EngineConfig(max_batch_size=1, max_seq_len=64), eos_token_ids=[VOCAB - 1])
+    dst = LLMEngine(model, EngineConfig(max_batch_size=1, max_seq_len=64, prefix_cache=False), eos_token_ids=[VOCAB - 1])
+    ids = list(range(1, 20))
+    src.generate([GenerateRequest(ids, SamplingParams(max_tokens=1, ignore_eos=True))])
+    kv, version = src.export_prefix_kv(ids)
+    assert kv is not None and kv.shape[3] >= 18
+    assert dst.import_prefix_kv(ids, kv, version) == 0
+    assert src.import_prefix_kv(ids, kv, version + 1) == 0  # another policy version: refused

@@ -299,3 +299,12 @@ def test_pinned_moves_a_gone_instances_groups():
     assert sorted(got) == ["r0", "r1", "r2", "r3"] and p.next_for(1, 0.0) is None
     p.submit(RequestSpec("r9", "g9", 4), 0.0)
     assert p.instance_of("g9") == 0
+
+
+def test_a_larger_max_tokens_rekeys_an_unknown_groups_queued_requests():
+    p = SeerDispatch(chunk_tokens=0)
+    for rid, gid, m in (("a0", "a", 10), ("a1", "a", 10), ("b0", "b", 50), ("b1", "b", 50)):
+        p.submit(RequestSpec(rid, gid, m), 0.0)
+    assert {p.next_for(0, 0.0).request_id, p.next_for(0, 0.0).request_id} == {"a0", "b0"}  # the probes
+    p.submit(RequestSpec("a2", "a", 100), 1.0)  # a's estimate (no member finished) is now 100
+    assert [p.next_for(0, 2.0).request_id for _ in range(3)] == ["a1", "a2", "b1"]

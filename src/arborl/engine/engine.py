@@ -148,12 +148,12 @@ class LLMEngine:
     def import_prefix_kv(self, tokens: list[int], kv: torch.Tensor, version: int) -> int:
         """Cache ``kv`` (exported by another engine) as the KV of ``tokens[:n]``; returns n, or 0 when it
         belongs to another policy version than this engine's."""
-        if version != self.version or kv is None:
+        if version != self.version or kv is None or self.prefix_cache.budget_tokens <= 0:
             return 0
         n = min(kv.shape[3], len(tokens))
         kv = kv.to(self.runner.device)
         self.prefix_cache.insert(tokens[:n], lambda a, b: kv[:, :, :, a:b].clone())
-        return n
+        return sum(p.shape[3] for _, p in self.prefix_cache.lookup(tokens[:n]))  # what the cache kept
 
     # -- the loop ---------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -99,8 +99,8 @@ class Dispatcher:
         if ended is None:
             self.timeline.start(t, rid, live.group_id, instance, version=self.engines[instance].version, probe=probe,
                                 step=self.step)
-        else:
-            self.timeline.end(t, rid, tokens, ended)
+        else:  # stamped with the step it ends in: the step whose Gantt is written next has it
+            self.timeline.end(t, rid, tokens, ended, step=self.step)
 
     # -- the caller's side ------------------------------------------------------------------------
     def front(self, group_id: str) -> "DispatchedEngine":
@@ -134,11 +134,12 @@ class Dispatcher:
         if live is None or live.done.done():
             return
         live.aborted = True
-        if self.policy.cancel(request_id):
-            if live.engine is not None and live.piece_id is not None:
+        if live.engine is not None:  # its piece ends with what it has (or completes: see _piece_done)
+            if live.piece_id is not None:
                 with contextlib.suppress(EngineClosedError):
                     self.engines[live.engine].abort(live.piece_id)
-        elif live.engine is None:
+        else:
+            self.policy.cancel(request_id)
             self._finish(live)
 
     @property
@@ -181,6 +182,13 @@ class Dispatcher:
     def _check_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is None or (self._loop is not loop and (self._loop.is_closed() or not self._live)):
+            if self._live:  # requests of a loop that is gone: nobody waits for them any more
+                for rid in list(self._live):
+                    self.policy.cancel(rid)
+                    self.policy.forget(rid)
+                self._live.clear()
+                self._pieces = [0] * len(self.engines)
+                self._paused = 0
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("a Dispatcher serves one event loop: call it from the loop that runs the gateway "
@@ -307,6 +315,7 @@ class Dispatcher:
             if (isinstance(error, EngineClosedError) and self._alive() and not live.aborted
                     and live.streamed == live.generated):  # divided rollout: go on elsewhere from its tokens
                 self.counts["rescued"] += 1
+                live.preempted = False
                 self.policy.requeue(live.request.request_id, live.generated, self._now())
             elif error is not None:
                 self.policy.cancel(live.request.request_id)
@@ -357,7 +366,10 @@ class Dispatcher:
         )
         finished = live.aborted or live.complete
         self._span(live, "finish" if live.complete else "cancel" if finished else "chunk", len(result.token_ids))
-        self.policy.on_chunk_done(rid, generated, finished, self._now())
+        if live.aborted and not live.complete:
+            self.policy.cancel(rid)  # its length is not a finished length: no estimate from it
+        else:
+            self.policy.on_chunk_done(rid, generated, finished, self._now())
         if finished:
             self._finish(live)
 

@@ -115,6 +115,7 @@ class _Dispatch(abc.ABC):
             return
         r.generated = generated
         self._enqueue(r, now, front=True)
+        self._on_progress(r, self._groups[r.group_id])
 
     def cancel_group(self, group_id: str) -> list[str]:
         return [rid for rid in self._groups.get(group_id, _Group()).requests if self.cancel(rid)]
@@ -293,6 +294,19 @@ class SeerDispatch(_Dispatch):
     def _is_probe(self, r: _Req) -> bool:
         return self.context_aware and r.probe and self._groups[r.group_id].longest_finished is None
 
+    def submit(self, spec: RequestSpec, now: float) -> None:
+        g = self._groups.get(spec.group_id)
+        before = self.estimate(spec.group_id) if g is not None and g.requests else None
+        super().submit(spec, now)
+        if self.context_aware and before is not None and self.estimate(spec.group_id) != before:
+            self._rekey(self._groups[spec.group_id])  # a larger max_tokens raised an unknown group's estimate
+
+    def _rekey(self, g: _Group) -> None:
+        for rid in g.requests:  # re-key the group's queued requests (and un-probe them)
+            o = self._reqs[rid]
+            if o.state == PENDING and not self._is_probe(o):
+                self._push(o)
+
     # -- queue ------------------------------------------------------------------------------------
     def _enqueue(self, r: _Req, now: float, front: bool = False) -> None:
         # ``front`` (preempted / resumed) is not needed here: the priority rule decides
@@ -319,10 +333,7 @@ class SeerDispatch(_Dispatch):
         if r.state == DONE:
             g.longest_finished = max(g.longest_finished or 0, r.generated)
         if self.context_aware and (first_finish or self.estimate(r.group_id) != before):
-            for rid in g.requests:  # re-key the group's queued requests (and un-probe them)
-                o = self._reqs[rid]
-                if o.state == PENDING and not self._is_probe(o):
-                    self._push(o)
+            self._rekey(g)
 
     def next_for(self, instance: int, now: float) -> Assignment | None:
         if self._pending == 0:

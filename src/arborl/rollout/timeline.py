@@ -42,9 +42,12 @@ class Timeline:
         self._open[request_id] = dict(request_id=request_id, group_id=group_id, instance=instance, start=t,
                                       version=version, probe=probe, step=step)
 
-    def end(self, t: float, request_id: str, tokens: int, ended: str) -> None:
+    def end(self, t: float, request_id: str, tokens: int, ended: str, *, step: int | None = None) -> None:
+        """Close the request's open span; ``step`` (if given) re-stamps it with the step it ended in."""
         o = self._open.pop(request_id, None)
         if o is not None:
+            if step is not None:
+                o["step"] = step
             self.spans.append(Span(end=t, tokens=tokens, ended=ended, **o))
 
     def add_calls(self, calls, *, group_id: str, step: int, t0: float) -> None:
