@@ -33,15 +33,13 @@ def continuation(prompt: list[int], pieces: Sequence[GenerateResult], params: Sa
                            continued=done)
 
 
-def merge(prompt: list[int], pieces: Sequence[GenerateResult], *, max_tokens: int | None = None) -> GenerateResult:
-    """One result from the pieces of a divided or resumed request (tokens, log-probs, versions in order)."""
+def merge(prompt: list[int], pieces: Sequence[GenerateResult]) -> GenerateResult:
+    """One result from the pieces of a divided or resumed request (tokens, log-probs, versions in order),
+    with the last piece's finish reason (the caller, which knows why the pieces stopped, may amend it)."""
     if not pieces:
         raise ValueError("merge needs at least one piece")
     toks = [t for p in pieces for t in p.token_ids]
-    last = pieces[-1]
-    reason = last.finish_reason
-    if reason == FinishReason.LENGTH and max_tokens is not None and len(toks) < max_tokens:
-        reason = FinishReason.ABORT  # stopped at a chunk boundary, not at the request's limit
+    reason = pieces[-1].finish_reason
     return GenerateResult(
         request_id=pieces[0].request_id,
         prompt_token_ids=list(prompt),
