@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from arborl.config import AdvantageConfig, Config
 from arborl.rewards import (
     broadcast_to_tokens,
-    combine_components,
     grpo_advantages,
     pad_turns,
     reward_to_go,
@@ -220,8 +219,6 @@ def test_end_to_end_turn_rewards_to_token_advantages():
 
 
 def test_outcome_helpers():
-    assert combine_components({"correct": 1.0, "format": -0.5}) == 0.5
-    assert combine_components({"correct": 1.0, "format": -0.5}, {"format": 0.2}) == pytest.approx(0.9)
     assert turn_rewards(2.0, 3) == [0.0, 0.0, 2.0]
     assert turn_rewards(1.0, 2, process=[-0.1, -0.2]) == pytest.approx([-0.1, 0.8])
     assert turn_rewards(1.0, 0) == []

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arborl.config import SchedulingConfig
+from arborl.registry import RegistryError
 from arborl.rollout.consume import (
     AsyncRatioConsume,
     SyncConsume,
@@ -217,7 +219,7 @@ def test_sync_trains_only_its_own_version_and_cancels_the_surplus(ops, n, oversa
        gap=st.integers(0, 2), back=st.integers(0, 3))
 def test_version_gap_filter_composes_with_every_policy(ops, n, name, gap, back):
     """slime S4: whatever the policy, no trained item's oldest token is more than max_gap versions old."""
-    p = make_consume(name, n, alpha=2.0, max_version_gap=gap)
+    p = make_consume(SchedulingConfig(consume=name, async_ratio=2.0, max_version_gap=gap), n)
     w = World(p, min_version=lambda iid, w: max(0, w.start_v[iid] - back)).run(ops)
     for b in w.batches:
         for iid in b.items:
@@ -233,15 +235,17 @@ def test_version_gap_filter_alone():
     assert f.reject(Item("a", 0, start_version=3, min_version=2), 4)  # a token of v2 is 2 versions old
 
 
-def test_make_consume_rejects_unknown_names_and_bad_values():
-    with pytest.raises(ValueError, match="unknown consumption policy"):
-        make_consume("fifo", 4)
+def test_make_consume_builds_the_configured_policy_and_rejects_bad_values():
+    p = make_consume(SchedulingConfig(consume="windowed_fifo", window=0.5, async_ratio=2.0), 4, version=3)
+    assert isinstance(p, WindowedFIFOConsume) and p.window == 2 and p.version == 3
+    with pytest.raises(RegistryError, match="unknown consumption policy 'fifo'"):
+        make_consume(SchedulingConfig(), 4, name="fifo")
     with pytest.raises(ValueError):
-        make_consume("async_ratio", 4, alpha=-1)
+        AsyncRatioConsume(4, alpha=-1)
     with pytest.raises(ValueError):
-        make_consume("sync", 0)
+        make_consume(SchedulingConfig(), 0)
     with pytest.raises(ValueError):
-        make_consume("windowed_fifo", 4, window=0)
+        WindowedFIFOConsume(4, window=0)
 
 
 def test_policies_form_batches_under_random_events():
@@ -250,5 +254,5 @@ def test_policies_form_batches_under_random_events():
 
     rng = random.Random(0)
     for name in ("sync", "async_ratio", "windowed_fifo"):
-        w = World(make_consume(name, 3, alpha=1.0)).run([(rng.choice("ssssffoxtt"), rng.randrange(10**6)) for _ in range(300)])
+        w = World(make_consume(SchedulingConfig(consume=name, async_ratio=1.0), 3)).run([(rng.choice("ssssffoxtt"), rng.randrange(10**6)) for _ in range(300)])
         assert len(w.batches) >= 5, name

@@ -1,4 +1,4 @@
-"""Engine requests through a dispatch policy over real engines (rollout/dispatcher.py): divided
+"""Engine requests through a dispatch policy over real engines (engine/dispatcher.py): divided
 rollout gives the tokens of an undivided request, pieces migrate with their KV, aborts end requests
 cleanly, abort-and-resume across a weight update stamps each token with its version, and stop
 strings are found across piece boundaries."""
@@ -14,9 +14,10 @@ import torch
 from arborl.config import EngineConfig, ModelConfig
 from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
 from arborl.models import load_model, tiny_llama
-from arborl.rollout.dispatcher import Dispatcher
+from arborl.engine.dispatcher import Dispatcher
 from arborl.rollout.policies import Traced, replay
-from arborl.rollout.seer import PinnedDispatch, SeerDispatch, make_dispatch
+from arborl.config import SchedulingConfig
+from arborl.rollout.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
 from arborl.types import FinishReason, GenerateRequest, SamplingParams
 
 VOCAB = 256
@@ -74,7 +75,7 @@ def test_divided_rollout_gives_the_undivided_tokens_and_logprobs(model):
     assert s["policy_probes"] >= 2  # the probes' pieces (one probe per group) ran first
     assert not d._live and d.policy.pending() == 0 and not d.policy.policy._reqs  # nothing left behind
     # the gateway path's decisions are the ones the simulator's policy makes on the same events
-    fresh = make_dispatch("seer", 2, chunk_tokens=7)
+    fresh = make_dispatch(SchedulingConfig(dispatch="seer", chunk_tokens=7), 2)
     assert replay(d.policy.calls, fresh) == len(d.policy.calls) > 40
 
 

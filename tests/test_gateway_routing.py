@@ -63,7 +63,7 @@ def test_affinity_then_fallback_under_load(h):
     finally:
         stop.set()
         t.join()
-    assert h.gateway.router.moves >= 1
+    assert h.gateway.engines.router.moves >= 1
     after = ask("after")
     assert after.engine_id == moved.engine_id and after.meta["routing"] == "affinity"  # affinity moved with the session
 

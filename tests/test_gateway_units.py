@@ -19,7 +19,7 @@ from arborl.config import ModelConfig
 from arborl.gateway.errors import BadRequestError
 from arborl.gateway.protocol import ChatCompletionRequest, parse, parse_json
 from arborl.gateway.render import ChatRenderer, canonical, normalize_messages
-from arborl.gateway.samples import episode_samples
+from arborl.train.samples import episode_samples
 from arborl.gateway.stitching import CallRecord, SessionHistory, Stitched, common_prefix_len, message_chain, stitch_chat
 from arborl.gateway.textstream import TextStreamer, completion_text
 from arborl.gateway.toolcalls import format_tool_call, markup_start, parse_tool_calls
@@ -329,14 +329,14 @@ def test_stitched_calls_merge_and_edited_history_splits():
     assert s1.token_ids == [1, 2, 3, 10, 11, 4, 5, 12]
     assert s1.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
     assert s1.versions == [-1, -1, -1, 0, 0, -1, -1, 1]
-    assert s1.logprobs == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5]
+    assert s1.rollout_logprobs == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5]
+    assert s1.sample_logprobs == [0, 0, 0, -0.25, -0.25, 0, 0, -0.25]
     assert s1.chunk_ids == [0, 0, 0, 0, 0, 1, 1, 1]
     assert s1.call_ids == [a.call_id, b.call_id] and s1.drift_events == []
     assert s2.token_ids == [1, 2, 9, 13] and s2.chunk_ids == [2] * 4
     assert s2.drift_events == [{"call_id": c.call_id, "position": 2, "reason": "message_edited"}]
     assert len(episode_samples([a, b, c, d], include_aborted=True)) == 2  # d extends s1
-    sample = s1.to_sample(group_id="g", reward=1.0, advantages=0.5)
-    assert sample.advantages == [0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5] and sample.rollout_logprobs == s1.logprobs
+    assert s1.advantages == [0.0] * 8  # advantages come with the batch (train.samples.build_samples)
 
 
 @SETTINGS
@@ -386,13 +386,14 @@ def test_a_model_without_tokenizer_serves_token_in_token_out(tmp_path):
     from arborl.config import EngineConfig
     from arborl.datapool import DataPool
     from arborl.engine import AsyncEngine, LLMEngine
+    from arborl.engine.pool import EnginePool
     from arborl.gateway import Gateway
     from arborl.models import tiny_llama
 
     eng = AsyncEngine(LLMEngine(tiny_llama(vocab=64, hidden=16, layers=1), EngineConfig(max_seq_len=32, num_threads=1),
                                 eos_token_ids=[63]))
     pool = DataPool(tmp_path / "p.sqlite")
-    gw = Gateway([eng], datapool=pool)
+    gw = Gateway(EnginePool([eng]), datapool=pool)
 
     async def go():
         s = (await gw.create_session()).session

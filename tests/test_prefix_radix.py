@@ -77,7 +77,6 @@ def check_invariants(tree: RadixTree) -> None:
     nodes = list(tree.dfs())
     assert len(tree) == len(nodes)
     assert tree.total_tokens == sum(len(n.tokens) for n in nodes)
-    assert tree.evictable_tokens() == sum(len(n.tokens) for n in nodes if n.ref_count == 0)
     assert tree.root.tokens == () and tree.root.is_root and tree.root.start == 0
     for n in nodes:
         assert n.tokens and not n.is_root
@@ -86,7 +85,6 @@ def check_invariants(tree: RadixTree) -> None:
         assert n.end == len(path_tokens(n))
         for key, child in n.children.items():
             assert key == child.tokens[0]
-            assert child.ref_count <= n.ref_count
             assert child.last_access <= n.last_access
         if n.value is not None:
             assert n.value == tuple(zip(range(n.start, n.end), n.tokens))
@@ -155,49 +153,32 @@ def test_interleaved_inserts_and_splitting_matches(ops: list[tuple[bool, Seq]]) 
 
 @SETTINGS
 @given(seq_lists, st.lists(seqs, max_size=6), st.data())
-def test_evict_respects_locks_and_lru(stored: list[Seq], touches: list[Seq], data) -> None:
+def test_evict_frees_least_recently_used_leaves(stored: list[Seq], touches: list[Seq], data) -> None:
     tree = build(stored)
     for q in touches:
         tree.match_prefix(q, split=data.draw(st.booleans()))
-    locked = [tree.insert(s) for s in stored if data.draw(st.booleans())]
-    for node in locked:
-        tree.lock(node)
-    locked_paths = [path_tokens(n) for n in locked]
     check_invariants(tree)
 
     evicted: list[RadixNode] = []
 
     def on_evict(node: RadixNode) -> None:
         assert all(node is not e for e in evicted)
-        assert node.is_leaf and node.ref_count == 0 and node.parent is not None
-        candidates = [n for n in tree.dfs() if n.is_leaf and n.ref_count == 0]
+        assert node.is_leaf and node.parent is not None
+        candidates = [n for n in tree.dfs() if n.is_leaf]
         assert node.last_access == min(n.last_access for n in candidates)
         evicted.append(node)
 
     before = tree.total_tokens
-    evictable = tree.evictable_tokens()
     want = data.draw(st.integers(0, before + 2))
     freed = tree.evict(want, on_evict)
 
     assert freed == sum(len(n.tokens) for n in evicted)
     assert tree.total_tokens == before - freed
-    assert tree.evictable_tokens() == evictable - freed
     if freed < want:
-        assert not any(n.is_leaf and n.ref_count == 0 for n in tree.dfs())
+        assert len(tree) == 0
     elif evicted:
         assert freed - len(evicted[-1].tokens) < want  # stopped as soon as it had enough
-    remaining = set(map(id, tree.dfs()))
-    for node, path in zip(locked, locked_paths):
-        assert path in tree
-        n = node
-        while n.parent is not None:
-            assert id(n) in remaining
-            n = n.parent
     check_invariants(tree)
-
-    for node in locked:
-        tree.unlock(node)
-    assert tree.evictable_tokens() == tree.total_tokens
     tree.evict(tree.total_tokens + 1)
     assert len(tree) == 0 and tree.total_tokens == 0 and tree.sequences() == []
 
@@ -208,7 +189,7 @@ def test_evict_respects_locks_and_lru(stored: list[Seq], touches: list[Seq], dat
 def test_empty_inputs() -> None:
     tree = new_tree()
     assert tree.insert(()) is tree.root
-    assert len(tree) == 0 and tree.total_tokens == 0 and tree.evictable_tokens() == 0
+    assert len(tree) == 0 and tree.total_tokens == 0
     assert tree.match_prefix([]) == PrefixMatch(0, [], 0)
     assert tree.match_prefix([1, 2]) == PrefixMatch(0, [], 0)
     assert [] in tree and [1] not in tree
@@ -275,40 +256,14 @@ def test_split_without_split_value_raises_and_leaves_tree_intact() -> None:
     assert tree.insert([7]).tokens == (7,)
 
 
-def test_split_of_locked_node_keeps_lock_and_access() -> None:
+def test_split_keeps_the_access_time() -> None:
     tree = new_tree()
     leaf = tree.insert([1, 2, 3], value_for((1, 2, 3)))
-    tree.lock(leaf)
-    tree.lock(leaf)
     before = leaf.last_access
     head = tree.insert([1, 2])
-    assert head.ref_count == leaf.ref_count == 2
     # The split copies the access time; then the insert touches only the part it used.
     assert leaf.last_access == before < head.last_access
-    assert tree.evictable_tokens() == 0
-    assert tree.evict(100) == 0 and len(tree) == 2
-    tree.unlock(leaf)
-    tree.unlock(leaf)
-    assert head.ref_count == leaf.ref_count == 0
-    assert tree.evictable_tokens() == 3
-
-
-def test_lock_unlock_errors() -> None:
-    tree = new_tree()
-    a = tree.insert([1, 2])
-    b = tree.insert([1, 2, 3])
-    with pytest.raises(ValueError):
-        tree.unlock(a)
-    tree.lock(a)
-    with pytest.raises(ValueError):
-        tree.unlock(b)  # b itself is not locked; nothing may change
-    assert (a.ref_count, b.ref_count) == (1, 0)
-    tree.lock(tree.root)  # the root is never counted
-    assert tree.root.ref_count == 0
-    tree.unlock(a)
-    with pytest.raises(ValueError):
-        tree.unlock(a)
-    assert a.ref_count == 0 and tree.evictable_tokens() == tree.total_tokens == 3
+    assert tree.evict(1) == 1 and [1, 2] in tree and [1, 2, 3] not in tree
 
 
 def test_evict_lru_order_and_parent_cascade() -> None:
@@ -345,8 +300,4 @@ def test_deep_tree_needs_no_recursion() -> None:
     nodes = list(tree.dfs())
     assert [n.start for n in nodes] == list(range(depth))
     assert tree.sequences() == [full]
-    deepest = nodes[-1]
-    tree.lock(deepest)
-    assert tree.evict(depth) == 0
-    tree.unlock(deepest)
     assert tree.evict(depth) == depth and len(tree) == 0

@@ -37,7 +37,7 @@ def test_async_consumption_trains_within_the_staleness_bound(tmp_path, consume, 
         assert (cfg.run_dir / "timeline" / f"step{k:04d}.png").stat().st_size > 1000
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
         groups = {e.group_id for e in pool.episodes()}
-    assert all(g.startswith("async") for g in groups) and len(groups) >= 4 * 3
+    assert all(g.startswith("step") for g in groups) and len(groups) >= 4 * 3
 
 
 def test_stale_tokens_are_masked(tmp_path):
@@ -52,7 +52,7 @@ def test_stale_tokens_are_masked(tmp_path):
 def test_real_controller_decisions_replay_into_the_simulators_policy(tmp_path, monkeypatch):
     """The asyncio controller's consumption decisions, recorded during real training, are the decisions
     the simulator's policy (built by ``arborl.sim.build_policies``) makes on the same event sequence."""
-    import arborl.rollout.scheduled as scheduled
+    import arborl.controller as scheduled
     from arborl.rollout.policies import Traced, replay
     from arborl.sim import build_policies
 

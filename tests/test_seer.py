@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arborl.rollout.policies import PRIORITY_PROBE, DispatchPolicy, RequestSpec
-from arborl.rollout.seer import PinnedDispatch, SeerDispatch, make_dispatch
+from arborl.config import SchedulingConfig
+from arborl.registry import RegistryError
+from arborl.rollout.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
 
 MAX = 64
 
@@ -242,10 +244,12 @@ def test_pinned_spreads_groups_over_the_least_loaded_instances():
 
 
 def test_factory_and_protocol():
-    assert isinstance(make_dispatch("seer", 2), DispatchPolicy)
-    assert isinstance(make_dispatch("pinned", 2), DispatchPolicy)
-    with pytest.raises(ValueError, match="unknown dispatch policy"):
-        make_dispatch("random", 2)
+    seer = make_dispatch(SchedulingConfig(dispatch="seer", chunk_tokens=9, context_aware=False), 2)
+    assert isinstance(seer, SeerDispatch) and isinstance(seer, DispatchPolicy)
+    assert seer.chunk_tokens == 9 and seer.context_aware is False  # the knobs reach the policy
+    assert isinstance(make_dispatch(SchedulingConfig(), 2), PinnedDispatch)
+    with pytest.raises(RegistryError, match="unknown dispatch policy 'random'"):
+        make_dispatch(SchedulingConfig(), 2, name="random")
     with pytest.raises(ValueError):
         SeerDispatch(chunk_tokens=-1)
     p = SeerDispatch()
@@ -271,7 +275,7 @@ def test_a_queued_probe_stays_queued_when_its_group_first_finishes_at_the_cap():
 
 
 def test_forget_frees_finished_requests_and_idle_groups(monkeypatch):
-    import arborl.rollout.seer as seer
+    import arborl.rollout.dispatch as seer
 
     monkeypatch.setattr(seer, "MAX_IDLE_GROUPS", 2)
     for p in (SeerDispatch(chunk_tokens=0), PinnedDispatch(2)):

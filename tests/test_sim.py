@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from arborl.cli import app
 from arborl.config import load_config
 from arborl.rollout.policies import ReplayMismatch, replay, window_items
-from arborl.rollout.seer import make_dispatch
+from arborl.rollout.dispatch import make_dispatch
 from arborl.sim import build_policies, parse_variant, run_variant, simulate
 from arborl.sim.cost import CostModel, fit_decode, fit_prefill
 from arborl.sim.instance import Admit, SimInstance
@@ -141,7 +141,8 @@ def test_recorded_decisions_replay_identically_into_fresh_policies(variant):
     assert replay(calls["consume"], c) == len(calls["consume"])
     assert replay(calls["dispatch"], d) == len(calls["dispatch"])
     # and a policy that decides differently is caught
-    other = make_dispatch("pinned" if variant.endswith("seer") else "seer", cfg.sim.instances, chunk_tokens=7)
+    other = make_dispatch(cfg.scheduling.model_copy(update={"chunk_tokens": 7}), cfg.sim.instances,
+                          name="pinned" if variant.endswith("seer") else "seer")
     with pytest.raises(ReplayMismatch):
         replay(calls["dispatch"], other)
 

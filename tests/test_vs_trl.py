@@ -21,7 +21,9 @@ from arborl.bench.vs_trl_bench import (
 from arborl.config import ModelConfig
 from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.models import load_model
-from arborl.tasks import arith, get_suite
+from arborl.bench.vs_trl_bench import trl_reward
+from arborl.config import RolloutConfig
+from arborl.tasks import arith, make_suite
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def tiny():
 
 def test_registered():
     assert get_benchmark("vs-trl").__module__ == "arborl.bench.vs_trl_bench"
-    assert get_suite("arith").name == "arith"
+    assert make_suite(RolloutConfig(task="arith")).name == "arith"
 
 
 def test_arith_tasks_deterministic_and_splits_disjoint():
@@ -53,7 +55,7 @@ def test_reward_is_one_rule_for_both_frameworks():
     for text, want in [(f"Answer: {ans}", 1.0), (f"Answer: {int(ans) + 1}", 0.0), (ans, 0.0), ("", 0.0)]:
         assert arith.reward(ans, text) == want
         assert suite.score(task, AgentOutcome(answer=text), [])["outcome"] == want  # arborl
-        assert arith.trl_reward([[{"role": "assistant", "content": text}]], [ans]) == [want]  # TRL, conversational
+        assert trl_reward([[{"role": "assistant", "content": text}]], [ans]) == [want]  # TRL, conversational
     assert suite.score(task, None, [])["outcome"] == 0.0
 
 
@@ -76,11 +78,13 @@ def test_same_messages_and_prompt_token_ids(tiny):
 
 
 def test_step_tasks_are_what_the_controller_draws():
-    from arborl.rollout.sync import episode_seed
+    from arborl.controller import Controller
 
     wl = Workload(steps=3)
+    ctl = Controller(arborl_config(wl, "unused"), None, None, None, None, arith.ArithSuite())
+    drawn = [ctl.next_task()[0] for _ in range(wl.steps * wl.batch_tasks)]
     for k in range(wl.steps):
-        want = arith.ArithSuite().tasks("train", wl.batch_tasks, seed=episode_seed(wl.seed, "tasks", k) % 2**31)
+        want = drawn[k * wl.batch_tasks:(k + 1) * wl.batch_tasks]
         assert [t.task_id for t in step_tasks(wl, k)] == [t.task_id for t in want]
         rows = trl_dataset_rows(wl)[k * wl.batch_tasks:(k + 1) * wl.batch_tasks]
         assert [r["task_id"] for r in rows] == [t.task_id for t in want]

@@ -48,7 +48,7 @@ def serve(
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
     """Start engine(s) and the OpenAI-compatible gateway, print the base URL, serve until Ctrl-C."""
-    from arborl.gateway.serve import run_serve
+    from arborl.serve import run_serve
     from arborl.types import ArborlError
 
     console = Console(stderr=True)

@@ -125,10 +125,11 @@ class GatewayConfig(Section):
 class AdvantageConfig(Section):
     """Advantage estimation from rewards (rewards/advantages.py): GRPO, Dr.GRPO, reward-to-go (C3)."""
 
-    estimator: Literal["grpo", "reward_to_go"] = Field(
+    estimator: str = Field(
         "grpo",
-        description="grpo: outcome reward minus the group mean, one value per sample; reward_to_go: per-turn "
-        "returns (reward from the turn to the episode's end) minus the group mean, one value per turn/chunk (C3, C4)",
+        description="advantage estimator (registry rewards.ADVANTAGE_ESTIMATORS): grpo = outcome reward minus the "
+        "group mean, one value per sample; reward_to_go = per-turn returns (reward from the turn to the episode's "
+        "end) minus the group mean, one value per turn/chunk (C3, C4); or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     std_normalize: bool = Field(
         True,
@@ -148,9 +149,10 @@ class AdvantageConfig(Section):
 class LossConfig(Section):
     """The policy-gradient loss (train/losses.py); field names are policy_loss's keyword arguments."""
 
-    kind: Literal["ppo", "cispo"] = Field(
+    kind: str = Field(
         "ppo",
-        description="ppo: token-level PPO-clip; cispo: MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob",
+        description="policy-gradient token loss (registry train.losses.POLICY_LOSSES): ppo = token-level PPO-clip; "
+        "cispo = MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob; or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO: ratio lower clip 1 - clip_low (ratio units)")
     clip_high: float = Field(
@@ -244,7 +246,16 @@ class TrainConfig(Section):
 class RolloutConfig(Section):
     """The rollout controller: which tasks, how many per step, how episodes are sampled."""
 
-    task: Literal["calculator", "even_tokens"] = Field("calculator", description="task suite (tasks/)")
+    task: str = Field(
+        "calculator",
+        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens; or a path to your own, package.module:attr or path/to/file.py:attr naming a "
+        "factory of the rollout section",
+    )
+    agent: str = Field(
+        "suite",
+        description="agent of every episode (registry agents.AGENTS): suite = the task suite's own agent; or a path to your own, package.module:attr or path/to/file.py:attr "
+        "naming a factory (suite, sampling) -> agent loop",
+    )
     steps: int = Field(10, ge=0, description="training steps (one optimiser step each)")
     batch_tasks: int = Field(8, ge=1, description="tasks per step (B)")
     group_size: int = Field(4, ge=1, description="episodes per task per step (G), the GRPO group")
@@ -272,10 +283,11 @@ class RolloutConfig(Section):
 class SchedulingConfig(Section):
     """Rollout scheduling for the long tail: consumption policy (S1, S2, S4), dispatch (S5, S6), partial rollout."""
 
-    consume: Literal["sync", "async_ratio", "windowed_fifo"] = Field(
+    consume: str = Field(
         "sync",
-        description="what the trainer may consume: sync = on-policy, the step waits for its batch; async_ratio = ROLL's "
-        "bounded staleness; windowed_fifo = Forge's generation-order window",
+        description="what the trainer may consume (registry rollout.consume.CONSUME_POLICIES): sync = on-policy, the "
+        "step waits for its batch; async_ratio = ROLL's bounded staleness; windowed_fifo = Forge's generation-order "
+        "window; or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     async_ratio: float = Field(
         1.0,
@@ -301,12 +313,13 @@ class SchedulingConfig(Section):
         description="sync: start (1 + oversample) x batch items per step, train the first batch to finish and cancel "
         "the surplus (fraction of the batch)",
     )
-    dispatch: Literal["pinned", "seer"] = Field(
+    dispatch: str = Field(
         "pinned",
-        description="where requests run: pinned = each group pinned to one engine instance (veRL-like); seer = one "
-        "global queue, divided rollout, probes first, then longest estimated group first. In `arborl train` / `arborl "
-        "serve`, pinned keeps the gateway's session-affinity router (unless partial_rollout=abort_resume) and seer puts "
-        "every engine request through the dispatcher (rollout/dispatcher.py), grouped by the session's group_id",
+        description="where requests run (registry rollout.dispatch.DISPATCH_POLICIES): pinned = each group pinned to "
+        "one engine instance (veRL-like); seer = one global queue, divided rollout, probes first, then longest "
+        "estimated group first; or a path to your own, package.module:attr or path/to/file.py:attr. In `arborl train` / `arborl serve` the engine pool keeps "
+        "session-affinity placement for pinned (unless partial_rollout=abort_resume) and puts every engine request "
+        "of any other policy through the dispatcher (engine/dispatcher.py), grouped by the session's group_id",
     )
     chunk_tokens: int = Field(
         4096,

@@ -8,6 +8,7 @@ import typing
 from pydantic import BaseModel
 
 from arborl.config import Config
+from arborl.extensions import REGISTRY_KNOBS
 
 
 def _type_name(annotation) -> str:
@@ -50,6 +51,19 @@ def render() -> str:
         "",
     ]
     _section(Config, "", out)
+    out += [
+        "## Registered names",
+        "",
+        "These knobs name an implementation in a registry. Besides the names below, each takes a path to your",
+        "own: `package.module:attr` (importable) or `path/to/file.py:attr`; a name that resolves to nothing",
+        "stops the job before the model loads, naming the key. Register a built-in with the registry's",
+        "`@REGISTRY.register(\"name\")` decorator; docs/architecture.md shows each extension point's signature.",
+        "",
+        "| key | registry | registered names |",
+        "|---|---|---|",
+        *[f"| `{key}` | {reg.kind} | {', '.join(f'`{n}`' for n in reg.names())} |" for key, reg in REGISTRY_KNOBS.items()],
+        "",
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -19,35 +19,33 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from arborl.assemble import build_gateway
 from arborl.config import Config, dump_config
-from arborl.gateway.launch import build_gateway
+from arborl.controller import Controller
+from arborl.extensions import check_extensions
 from arborl.models import load_model
 from arborl.report import MetricsLog, plot_curves, summary_table
-from arborl.rollout.sync import SyncController
-from arborl.tasks import get_suite
+from arborl.tasks import make_suite
 from arborl.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
 
 
-def _suite(cfg: Config):
-    if cfg.rollout.task == "calculator":
-        return get_suite("calculator", in_context_example=cfg.rollout.in_context_example, max_turns=cfg.rollout.max_turns)
-    return get_suite(cfg.rollout.task)
-
-
-def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path, version: int = 0):
+def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path, version: int = 0,
+                start_step: int = 0):
     """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
     ``version``, and the controller around them."""
-    launched = build_gateway(
+    built = build_gateway(
         cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval()), run_dir=run_dir, version=version
     )
-    ctl = SyncController(cfg, launched.gateway, launched.engines, launched.pool, trainer, _suite(cfg), version=version)
-    return launched, ctl
+    ctl = Controller(cfg, built.gateway, built.engines, built.pool, trainer, make_suite(cfg.rollout),
+                     version=version, start_step=start_step)
+    return built, ctl
 
 
 def train(cfg: Config, *, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
+    check_extensions(cfg)
     torch.manual_seed(cfg.seed)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +72,7 @@ def train(cfg: Config, *, resume: bool = False, console: Console | None = None) 
         serving.load_state_dict(trainer.engine_state())
         console.print(f"resumed from {ckpt} at step {start_step}")
 
-    launched, ctl = _controller(cfg, trainer, serving, loaded, run_dir, version)
+    launched, ctl = _controller(cfg, trainer, serving, loaded, run_dir, version, start_step)
     try:
         summary = asyncio.run(_train_loop(cfg, ctl, trainer, metrics, start_step, summary_prev, ckpt, console))
     finally:
@@ -89,7 +87,7 @@ def train(cfg: Config, *, resume: bool = False, console: Console | None = None) 
     return summary
 
 
-async def _train_loop(cfg, ctl: SyncController, trainer: Trainer, metrics: MetricsLog, start_step: int,
+async def _train_loop(cfg, ctl: Controller, trainer: Trainer, metrics: MetricsLog, start_step: int,
                       summary_prev: dict, ckpt: Path, console: Console) -> dict[str, Any]:
     r = cfg.rollout
     summary: dict[str, Any] = dict(summary_prev)
@@ -135,6 +133,7 @@ async def _train_loop(cfg, ctl: SyncController, trainer: Trainer, metrics: Metri
 def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | None = None) -> dict[str, Any]:
     """Held-out success of the configured model, or of a checkpoint's weights."""
     console = console or Console()
+    check_extensions(cfg)
     loaded = load_model(cfg.model)
     model = loaded.model
     if checkpoint is not None:

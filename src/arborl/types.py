@@ -1,4 +1,4 @@
-"""The core records that flow through arborl (DESIGN section 5).
+"""The core records that flow through arborl (docs/architecture.md, "The records").
 
 Token ids always come from the engine; nothing here is ever re-tokenised from text.
 Two log-probabilities are kept per generated token:
@@ -183,23 +183,45 @@ class Episode:
 
 @dataclass(slots=True)
 class Sample:
-    """What the trainer sees: one token sequence with its per-token annotations."""
+    """What the trainer sees: one token sequence with its per-token annotations (train/samples.py
+    builds it from an episode's recorded calls)."""
 
     episode_id: str
     group_id: str
     token_ids: list[int]
     loss_mask: list[int]  # 1 only on model-generated tokens
-    rollout_logprobs: list[float]  # 0.0 where loss_mask is 0
+    rollout_logprobs: list[float]  # raw temperature-1 log-probs of the rollout; 0.0 where loss_mask is 0
     versions: list[int]  # -1 where loss_mask is 0
     chunk_ids: list[int]  # C4: index of the span between two environment interactions
     advantages: list[float]
     reward: float = 0.0
+    # log-probs under the distribution the tokens were drawn from (temperature, top-p): the behaviour
+    # policy a tempered trainer compares with; empty = same as rollout_logprobs
+    sample_logprobs: list[float] = field(default_factory=list)
+    call_ids: list[str] = field(default_factory=list)  # the recorded calls merged into this sample, in order
+    drift_events: list[dict[str, Any]] = field(default_factory=list)  # {"call_id", "position", "reason", ...}
+    finish_reason: str = ""  # of the last call
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def behaviour_logprobs(self, tempered: bool) -> list[float]:
+        """The log-probs to compare the trainer's with: under the sampling distribution when the
+        trainer is tempered (it scores softmax(logits / T)), else the raw ones."""
+        return self.sample_logprobs if tempered and self.sample_logprobs else self.rollout_logprobs
 
     def validate(self) -> None:
         n = len(self.token_ids)
         for name in ("loss_mask", "rollout_logprobs", "versions", "chunk_ids", "advantages"):
             if len(getattr(self, name)) != n:
-                raise InvalidRequestError(f"sample {self.episode_id}: {name} length != token_ids length {n}")
+                raise InvalidRequestError(
+                    f"sample of {self.episode_id}: {name} has {len(getattr(self, name))} entries, token_ids {n}"
+                )
+        if self.sample_logprobs and len(self.sample_logprobs) != n:
+            raise InvalidRequestError(
+                f"sample of {self.episode_id}: sample_logprobs has {len(self.sample_logprobs)} entries, token_ids {n}"
+            )
 
 
 @dataclass(slots=True)

@@ -36,8 +36,9 @@ from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.gateway.server import GatewayServer
 from arborl.gateway.stitching import CallRecord, Stitched, stitch_chat
 from arborl.models import LoadedModel, load_model
-from arborl.rollout.dispatcher import Dispatcher
-from arborl.rollout.seer import SeerDispatch
+from arborl.engine.dispatcher import Dispatcher
+from arborl.engine.pool import EnginePool
+from arborl.rollout.dispatch import SeerDispatch
 
 ADD_TOOL = {
     "type": "function",
@@ -195,7 +196,8 @@ def start_harness(*, num_engines: int = 1, faults: bool = False, max_seq_len: in
         engines.append(AsyncEngine(LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=i)))
     switch = FaultSwitch(loaded.model) if faults else None
     dispatcher = Dispatcher(engines, SeerDispatch(chunk_tokens=seer_chunk)) if seer_chunk is not None else None
-    gw = Gateway(engines, datapool=pool, tokenizer=loaded.tokenizer, model_name="scripted-tiny",
-                 config=GatewayConfig(**gw_cfg), admin_key=ADMIN_KEY, dispatcher=dispatcher)
+    gcfg = GatewayConfig(**gw_cfg)
+    gw = Gateway(EnginePool(engines, affinity_max_load=gcfg.affinity_max_load, dispatcher=dispatcher), datapool=pool,
+                 tokenizer=loaded.tokenizer, model_name="scripted-tiny", config=gcfg, admin_key=ADMIN_KEY)
     server = GatewayServer(gw).start()
     return Harness(gw, server, pool, engines, loaded, switch, tmp)

@@ -1,12 +1,14 @@
 """The agent layer: white-box loops (``AgentLoop``, ``run_agent``, ``ReActAgent``) and black-box
 programs (``BlackBoxRunner``), both recorded through the gateway."""
 
-from arborl.agents.base import AgentLoop, AgentOutcome, EpisodeRun, run_agent
+from arborl.agents.base import AGENTS, AgentFactory, AgentLoop, AgentOutcome, EpisodeRun, run_agent
 from arborl.agents.blackbox import BlackBoxResult, BlackBoxRunner
 from arborl.agents.client import ChatReply, SessionClient
 from arborl.agents.react import ReActAgent, Tool, task_messages
 
 __all__ = [
+    "AGENTS",
+    "AgentFactory",
     "AgentLoop",
     "AgentOutcome",
     "BlackBoxResult",

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from arborl.agents.client import SessionClient
 from arborl.gateway.core import Gateway
+from arborl.registry import Registry
 from arborl.types import EpisodeStatus, Task
 
 
@@ -32,6 +33,22 @@ class AgentOutcome:
 
 class AgentLoop(Protocol):
     async def __call__(self, task: Task, client: SessionClient) -> AgentOutcome | None: ...
+
+
+class AgentFactory(Protocol):
+    """What ``rollout.agent`` names: (the run's task suite, the episode's OpenAI sampling params) ->
+    the agent loop of one episode."""
+
+    def __call__(self, suite: Any, sampling: dict[str, Any]) -> AgentLoop: ...
+
+
+AGENTS: Registry[AgentFactory] = Registry("agent")
+
+
+@AGENTS.register("suite")
+def suite_agent(suite: Any, sampling: dict[str, Any]) -> AgentLoop:
+    """The task suite's own agent (``suite.agent(sampling)``)."""
+    return suite.agent(sampling)
 
 
 @dataclass

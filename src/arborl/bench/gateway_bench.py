@@ -29,6 +29,7 @@ from rich.table import Table
 from arborl.config import EngineConfig, GatewayConfig, ModelConfig
 from arborl.datapool import DataPool
 from arborl.engine import AsyncEngine, LLMEngine
+from arborl.engine.pool import EnginePool
 from arborl.gateway import Gateway
 from arborl.gateway.server import GatewayServer
 from arborl.models import load_model
@@ -151,7 +152,7 @@ def run(quick: bool, console: Console) -> dict:
     pairs = 120 if quick else 400
     with tempfile.TemporaryDirectory(prefix="arborl-bench-gw-") as tmp:
         pool = DataPool(Path(tmp) / "datapool.sqlite")
-        gw = Gateway([engine], datapool=pool, tokenizer=loaded.tokenizer, model_name="bench-tiny",
+        gw = Gateway(EnginePool([engine]), datapool=pool, tokenizer=loaded.tokenizer, model_name="bench-tiny",
                      config=GatewayConfig(), admin_key=ADMIN)
         try:
             with GatewayServer(gw) as srv:

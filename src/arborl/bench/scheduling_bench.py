@@ -32,7 +32,7 @@ from rich.table import Table
 from arborl.config import Config, EngineConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.models import tiny_llama
-from arborl.rollout.seer import SeerDispatch
+from arborl.rollout.dispatch import SeerDispatch
 from arborl.rollout.timeline import Timeline
 from arborl.sim import build_policies, cost_model, parse_variant, run_variant, workload
 from arborl.sim.calibrate import calibrate
@@ -199,8 +199,8 @@ def _gateway_path(model, rcfg: Config, reps: int) -> dict:
     import asyncio
 
     from arborl.engine import AsyncEngine
-    from arborl.rollout.dispatcher import Dispatcher
-    from arborl.rollout.seer import PinnedDispatch
+    from arborl.engine.dispatcher import Dispatcher
+    from arborl.rollout.dispatch import PinnedDispatch
 
     wl = workload(rcfg.sim)
     g = torch.Generator().manual_seed(0)

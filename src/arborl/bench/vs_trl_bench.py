@@ -15,7 +15,7 @@ both train on every sample.
 One process, alternating: TRL step k runs, then (from TRL's ``on_step_end`` callback, outside
 TRL's timed span) arborl step k, so both see the same machine load over the run. Per step:
 
-* arborl: ``step_s`` of ``SyncController.train_step``; generate = its ``rollout_s`` (episodes
+* arborl: ``step_s`` of ``Controller.train_step``; generate = its ``rollout_s`` (episodes
   through the gateway and engine, scoring, data pool writes); train = the rest (samples, tree-
   packed PPO step, publishing the weights to the engine).
 * TRL: step = ``on_step_begin`` -> ``on_step_end`` (the transformers loop calls
@@ -79,15 +79,35 @@ class Workload:
 
 
 def step_tasks(wl: Workload, step: int) -> list[Task]:
-    """The tasks of ``step``: what arborl's ``SyncController.train_step(step)`` draws."""
-    from arborl.rollout.sync import episode_seed
+    """The tasks of ``step``: what arborl's ``Controller.train_step(step)`` draws (synchronous)."""
+    from arborl.controller import draw_tasks
 
-    return arith.ArithSuite().tasks("train", wl.batch_tasks, seed=episode_seed(wl.seed, "tasks", step) % 2**31)
+    return draw_tasks(arith.ArithSuite(), wl.seed, wl.batch_tasks, step)
+
+
+# -- TRL's shape of the same job ------------------------------------------------------------------
+def trl_rows(tasks: list[Task]) -> list[dict[str, Any]]:
+    """Dataset rows for TRL's GRPOTrainer (conversational prompts; ``answer`` reaches the reward)."""
+    return [{"prompt": arith.prompt_messages(t), "answer": t.metadata["answer"], "task_id": t.task_id} for t in tasks]
+
+
+def completion_text(completion: Any) -> str:
+    """TRL passes a conversational completion as a list of messages; the final text is the last
+    assistant message's content."""
+    if isinstance(completion, str):
+        return completion
+    texts = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return texts[-1] if texts else ""
+
+
+def trl_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    return [arith.reward(a, completion_text(c)) for c, a in zip(completions, answer, strict=True)]
+
 
 
 def trl_dataset_rows(wl: Workload) -> list[dict[str, Any]]:
     """TRL's training set: the tasks of steps 0, 1, ... in order (read unshuffled, B per step)."""
-    return [row for k in range(wl.steps) for row in arith.trl_rows(step_tasks(wl, k))]
+    return [row for k in range(wl.steps) for row in trl_rows(step_tasks(wl, k))]
 
 
 def arborl_config(wl: Workload, runs_dir: str):
@@ -137,9 +157,9 @@ class ArborlSide:
     on a private event loop (so it can run from inside TRL's callbacks)."""
 
     def __init__(self, wl: Workload, runs_dir: str) -> None:
-        from arborl.gateway.launch import build_gateway
+        from arborl.assemble import build_gateway
+        from arborl.controller import Controller
         from arborl.models import load_model
-        from arborl.rollout.sync import SyncController
         from arborl.train.trainer import Trainer
 
         self.cfg = arborl_config(wl, runs_dir)
@@ -148,21 +168,21 @@ class ArborlSide:
         self.trainer = Trainer(loaded.model, self.cfg.train, temperature=self.cfg.rollout.temperature)
         self.launched = build_gateway(self.cfg, loaded=dataclasses.replace(loaded, model=serving.eval()),
                                       run_dir=self.cfg.run_dir)
-        self.ctl = SyncController(self.cfg, self.launched.gateway, self.launched.engines, self.launched.pool,
-                                  self.trainer, arith.ArithSuite())
+        self.ctl = Controller(self.cfg, self.launched.gateway, self.launched.engines, self.launched.pool,
+                              self.trainer, arith.ArithSuite())
         self.start = snapshot(self.trainer.model)
         self.steps: list[dict[str, float]] = []
         self.prompt_ids: dict[str, list[int]] = {}  # task id -> prompt token ids the engine saw
-        original = self.ctl.run_group_batch
+        original = self.ctl.run_groups
 
         async def capture(tasks, group_size, **kw):
             eps = await original(tasks, group_size, **kw)
             for e in eps:
                 if e.calls:
-                    self.prompt_ids.setdefault(e.task.task_id, list(e.calls[0].prompt_token_ids))
+                    self.prompt_ids.setdefault(e.task_id, list(e.calls[0].prompt_token_ids))
             return eps
 
-        self.ctl.run_group_batch = capture
+        self.ctl.run_groups = capture
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vs-trl-arborl", daemon=True)
         self._thread.start()
@@ -357,7 +377,7 @@ def run(quick: bool, console: Console) -> dict:
 
     timer = _trl_callback(between)
     trainer = GRPOTrainer(
-        model=trl_model, reward_funcs=arith.trl_reward, args=GRPOConfig(**trl_args(wl, f"{tmp.name}/trl")),
+        model=trl_model, reward_funcs=trl_reward, args=GRPOConfig(**trl_args(wl, f"{tmp.name}/trl")),
         train_dataset=Dataset.from_list(trl_dataset_rows(wl)), processing_class=tokenizer, callbacks=[timer],
     )
     _instrument(trainer, timer, trl_prompt_ids, trl_tasks)

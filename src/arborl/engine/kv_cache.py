@@ -59,7 +59,3 @@ class SlotKVCache:
     def move(self, src: int, dst: int, length: int) -> None:
         if src != dst and length > 0:
             self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
-
-    @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -36,7 +36,6 @@ class Sequence:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    text_tail: str = ""  # decoded recent output, for stop strings
     on_token: Callable[["Sequence"], None] | None = None  # called (engine thread) after each token
 
     @property

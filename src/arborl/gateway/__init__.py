@@ -1,9 +1,11 @@
 """The OpenAI-compatible gateway: sessions and keys, routing to engines, token-faithful recording.
 
 * ``Gateway`` (core.py): the plain-Python core every path goes through;
-* ``create_app`` (app.py): the FastAPI layer; ``GatewayServer`` / ``serve_forever`` (server.py): uvicorn;
-* ``episode_samples`` / ``SampleTokens`` (samples.py): recorded calls -> trainer token sequences;
-* ``build_gateway`` (launch.py): model + engines + data pool from a config.
+* ``RequestRun`` (run.py): one request in flight, seeing the gateway through ``RequestContext`` (context.py);
+* ``create_app`` (app.py): the FastAPI layer; ``GatewayServer`` / ``serve_forever`` (server.py): uvicorn.
+
+Engines are placed by the engine pool (``arborl.engine.pool``); training samples are built from the
+recorded calls by ``arborl.train.samples``; ``arborl.assemble`` builds a gateway from a config.
 """
 
 from arborl.gateway.core import Gateway, RequestRun, SessionInfo
@@ -16,7 +18,6 @@ from arborl.gateway.errors import (
     NotFoundError,
     UnavailableError,
 )
-from arborl.gateway.samples import SampleTokens, episode_samples
 from arborl.gateway.sessions import Session
 
 __all__ = [
@@ -28,9 +29,7 @@ __all__ = [
     "GatewayError",
     "NotFoundError",
     "RequestRun",
-    "SampleTokens",
     "Session",
     "SessionInfo",
     "UnavailableError",
-    "episode_samples",
 ]

@@ -1,11 +1,12 @@
 """The gateway core: a plain Python class, no HTTP.
 
-``Gateway`` owns the sessions, routes calls to engines, builds prompts (chat template, token
+``Gateway`` owns the sessions, places calls in the engine pool, builds prompts (chat template, token
 stitching), records every served call to the data pool with the engine's token ids, and formats
 OpenAI responses. The FastAPI app (``gateway.app``) is a thin layer over it, and the white-box
 agent's ``SessionClient`` calls it in-process: both go through the same recording path.
 
-One request runs as a ``RequestRun`` (``gateway.run``): one engine request per choice (``n``) and
+One request runs as a ``RequestRun`` (``gateway.run``), which sees the gateway only through a narrow
+``RequestContext`` (``gateway.context``): one engine request per choice (``n``) and
 a detached finaliser that records their calls before the response (or the stream's last chunk) is
 released. So a 200 means "recorded", a client that goes away cannot interrupt recording, and a
 failed engine request records nothing (the other choices of that request are aborted and dropped
@@ -21,25 +22,23 @@ import asyncio
 import copy
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from arborl.config import GatewayConfig
 from arborl.datapool import DataPool
-from arborl.engine import AsyncEngine
-from arborl.gateway import openai_format as fmt
+from arborl.engine.pool import EnginePool
+from arborl.gateway.context import GatewayStats, RequestContext, TextCodec
 from arborl.gateway.errors import BadRequestError, GatewayError, NotFoundError
 from arborl.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from arborl.gateway.render import ChatRenderer, normalize_messages
-from arborl.gateway.router import Router
-from arborl.rollout.dispatcher import Dispatcher
-from arborl.gateway.samples import episode_samples
+from arborl.gateway.run import Choice, RequestRun
 from arborl.gateway.sessions import Session, SessionStore, episode_meta, new_key
-from arborl.gateway.run import Job, RequestRun
-from arborl.gateway.stitching import CallRecord, Stitched, common_prefix_len, message_chain, stitch_chat
+from arborl.gateway.stitching import Stitched, message_chain, stitch_chat
+from arborl.prefix import common_prefix_len
+from arborl.train.samples import episode_samples
 from arborl.types import Episode, EpisodeStatus, GenerateRequest, InvalidRequestError, SamplingParams, new_id, to_dict
 
 log = logging.getLogger(__name__)
@@ -55,24 +54,6 @@ class SessionInfo:
         return self.session.session_id
 
 
-@dataclass
-class GatewayStats:
-    requests: int = 0
-    calls_recorded: int = 0
-    errors_4xx: int = 0
-    errors_5xx: int = 0
-    aborted: int = 0
-    stitched: int = 0
-    drift_events: int = 0
-    started_at: float = field(default_factory=time.time)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, name: str, n: int = 1) -> None:
-        """Counters are bumped from several threads (event loops, recording workers)."""
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-
 class Gateway:
     """Sessions, routing, prompt building, recording. See the module docstring.
 
@@ -83,7 +64,7 @@ class Gateway:
 
     def __init__(
         self,
-        engines: Sequence[AsyncEngine],
+        engines: EnginePool,
         *,
         datapool: DataPool,
         tokenizer: Any = None,
@@ -93,17 +74,14 @@ class Gateway:
         max_seq_len: int | None = None,
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
-        dispatcher: Dispatcher | None = None,
     ) -> None:
         self.config = config or GatewayConfig()
-        self.engines = list(engines)
-        if not self.engines:
-            raise ValueError("a gateway needs at least one engine")
-        core = getattr(self.engines[0], "engine", None)
-        self.max_seq_len = int(max_seq_len or min(e.engine.config.max_seq_len for e in self.engines))
-        self.vocab_size = int(vocab_size or core.runner.vocab_size)
-        self.eos_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else core.eos_token_ids))
+        self.engines = engines
+        self.max_seq_len = int(max_seq_len or engines.max_seq_len)
+        self.vocab_size = int(vocab_size or engines.vocab_size)
+        self.eos_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else engines.eos_token_ids))
         self.tokenizer = tokenizer
+        self.text = TextCodec(tokenizer)
         self.renderer = (
             ChatRenderer(tokenizer, self.config.tool_prompt)
             if tokenizer is not None and getattr(tokenizer, "chat_template", None)
@@ -113,30 +91,10 @@ class Gateway:
         self.model_name = self.config.model_name or model_name
         self.admin_key = admin_key or os.environ.get("ARBORL_ADMIN_KEY") or self.config.admin_key or new_key()
         self.sessions = SessionStore(self.admin_key)
-        self.router = Router(self.engines, self.config.affinity_max_load)
-        self.dispatcher = dispatcher  # when set, a dispatch policy places engine requests instead of the router
         self.stats = GatewayStats()
-        self._tasks: set[asyncio.Task] = set()
+        self.requests = RequestContext(engines, datapool, self.text, eos_ids=self.eos_ids, model_name=self.model_name,
+                                       stats=self.stats)
         self._created = int(time.time())
-
-    # ------------------------------------------------------------------ text helpers
-    def decode(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def decode_raw(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def _decode_one(self, t: int) -> str:
-        return self.decode_raw([t]) if self.tokenizer is not None else f"<{t}>"
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise BadRequestError("this model has no tokenizer: send token ids (prompt_token_ids, or a list of ints as prompt)")
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     # ------------------------------------------------------------------ sessions
     async def create_session(
@@ -264,7 +222,7 @@ class Gateway:
             "created": self._created,
             "owned_by": "arborl",
             "max_model_len": self.max_seq_len,
-            "policy_version": max(e.version for e in self.engines),
+            "policy_version": self.engines.version,
         }
 
     def check_model(self, model: str | None) -> None:
@@ -279,14 +237,10 @@ class Gateway:
         return {
             "status": "ok",
             "model": self.model_name,
-            "engines": [
-                {"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down}
-                for i, e in enumerate(self.engines)
-            ],
-            "dispatch": self.dispatcher.stats() if self.dispatcher is not None else None,
+            "engines": self.engines.engine_rows(),
+            "dispatch": self.engines.dispatch_stats() if self.engines.dispatcher is not None else None,
             "sessions": len(self.sessions.all()),
-            "stats": {k: getattr(self.stats, k) for k in ("requests", "calls_recorded", "errors_4xx", "errors_5xx",
-                                                          "aborted", "stitched", "drift_events")},
+            "stats": self.stats.as_dict(),
         }
 
     # ------------------------------------------------------------------ chat
@@ -330,9 +284,9 @@ class Gateway:
                 meta["tools"] = [t["function"]["name"] for t in tools]
             max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
             jobs = self._jobs(req, [(prompt, meta, chain, None)], max_tokens)
-            run = RequestRun(self, session, "chat", req, jobs, tools)
+            run = RequestRun(self.requests, session, "chat", req, jobs, tools)
         except GatewayError as e:
-            self._count_error(e)
+            self.stats.count_error(e)
             raise
         run.start()
         return run
@@ -408,9 +362,9 @@ class Gateway:
                         meta["drift"] = drift
                     planned.append((list(prompt), meta, None, None))
             jobs = self._jobs(req, planned, req.max_tokens or 16)
-            run = RequestRun(self, session, "completion", req, jobs, None)
+            run = RequestRun(self.requests, session, "completion", req, jobs, None)
         except GatewayError as e:
-            self._count_error(e)
+            self.stats.count_error(e)
             raise
         run.start()
         return run
@@ -420,10 +374,10 @@ class Gateway:
             parent = session.history.find_text_parent(text) if session.stitching else None
         if parent is not None:
             assert parent.text_key is not None
-            rest = self._encode(text[len(parent.text_key) :])
+            rest = self.text.encode(text[len(parent.text_key) :])
             ids = parent.full_ids.tolist() + rest
             return ids, {"stitch": {"parent_call": parent.call_id, "suffix_start": len(parent.full_ids), "suffix_tokens": len(rest)}}
-        ids = self._encode(text)
+        ids = self.text.encode(text)
         with session.lock:
             drift = session.history.drift(ids)
         return ids, ({"drift": drift} if drift else {})
@@ -439,7 +393,7 @@ class Gateway:
             )
         return [n.split(" ")[0] for n in names]
 
-    def _jobs(self, req: Any, planned: list[tuple[list[int], dict, list[str] | None, str | None]], max_tokens: int) -> list[Job]:
+    def _jobs(self, req: Any, planned: list[tuple[list[int], dict, list[str] | None, str | None]], max_tokens: int) -> list[Choice]:
         if req.n > self.config.max_n:
             raise BadRequestError(f"n is {req.n} but this gateway serves at most {self.config.max_n} choices (gateway.max_n)", param="n")
         stops = req.stops()
@@ -472,38 +426,9 @@ class Gateway:
                     raise BadRequestError(str(e), param="prompt_token_ids" if meta.get("input") == "tokens" else None) from None
                 m = dict(meta, choice=j, n=req.n, params={"temperature": params.temperature, "top_p": params.top_p,
                                                            "top_k": params.top_k, "max_tokens": max_tokens, "seed": params.seed})
-                jobs.append(Job(pi * req.n + j, greq, m, chain, text))
+                jobs.append(Choice(pi * req.n + j, greq, m, chain, text))
         return jobs
-
-    def _count_error(self, e: GatewayError) -> None:
-        if e.status >= 500:
-            self.stats.add("errors_5xx", 1)
-        else:
-            self.stats.add("errors_4xx", 1)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def drain(self) -> None:
         """Wait until every request started on this event loop is recorded (or failed)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            mine = [t for t in list(self._tasks) if t.get_loop() is loop and not t.done()]
-            if not mine:
-                return
-            await asyncio.gather(*mine, return_exceptions=True)
-
-    def _record(self, session: Session, served: list[fmt.ServedChoice], records: list[CallRecord | None]) -> None:
-        """Store the calls (worker thread), then make them stitchable. Raises on a data-pool error."""
-        for c in served:
-            self.pool.add_call(c.call)
-        with session.lock:
-            for c, rec in zip(served, records):
-                session.calls += 1
-                session.last_call_id = c.call.call_id
-                if rec is not None and not session.finished:
-                    session.history.add(rec)
-        self.stats.add("calls_recorded", len(served))
+        await self.requests.drain()

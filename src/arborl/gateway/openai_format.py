@@ -134,7 +134,7 @@ def completion_response(
             "index": c.index,
             "text": c.text,
             "finish_reason": c.finish_reason,
-            "logprobs": _completion_logprobs(decode_one, c) if logprobs else None,
+            "logprobs": completion_logprobs(decode_one, c.result.token_ids, c.result.logprobs) if logprobs else None,
             "call_id": c.call.call_id,
             "policy_version": c.policy_version,
         }
@@ -154,13 +154,15 @@ def completion_response(
     return body
 
 
-def _completion_logprobs(decode_one, c: ServedChoice) -> dict[str, Any]:
-    tokens = [decode_one(t) for t in c.result.token_ids]
-    offsets, pos = [], 0
+def completion_logprobs(decode_one, token_ids: list[int], logprobs: list[float], *, start: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``text_offset`` counts from ``start`` (a stream's
+    earlier chunks)."""
+    tokens = [decode_one(t) for t in token_ids]
+    offsets, pos = [], start
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": list(c.result.logprobs), "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
 def chat_chunk(rid: str, model: str, created: int, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

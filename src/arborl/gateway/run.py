@@ -1,7 +1,7 @@
 """One request in flight: its engine requests (one per choice), their recording, its response or stream.
 
-``RequestRun.start`` routes the request and starts one task per choice; a detached finaliser task
-waits for all of them and records their calls (``Gateway._record``) before ``response()`` returns or
+``RequestRun.start`` places the request in the engine pool and starts one task per choice; a
+detached finaliser task waits for all of them and records their calls (``RequestContext.record``) before ``response()`` returns or
 ``chunks()`` yields the last chunk. A failed choice aborts the others and records nothing; a client
 that goes away (``abort()``) stops generation, and the partial calls are still recorded.
 """
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from arborl.engine import EngineClosedError, EngineError, TokenEvent
 from arborl.gateway import openai_format as fmt
+from arborl.gateway.context import RequestContext
 from arborl.gateway.errors import BadRequestError, EngineFailedError, GatewayError, UnavailableError
 from arborl.gateway.render import canonical, normalize_messages
 from arborl.gateway.stitching import CallRecord
@@ -25,14 +26,14 @@ from arborl.gateway.toolcalls import ParsedOutput, parse_tool_calls
 from arborl.types import Call, FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
 
 if TYPE_CHECKING:
-    from arborl.gateway.core import Gateway
+    from arborl.engine.pool import Lease
     from arborl.gateway.sessions import Session
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Job:
+class Choice:
     """One engine request = one choice = one recorded call."""
 
     index: int
@@ -45,8 +46,9 @@ class Job:
 class RequestRun:
     """One request in flight: its engine requests, their recording, its response or stream."""
 
-    def __init__(self, gw: Gateway, session: Session, kind: str, req: Any, jobs: list[Job], tools: list[dict] | None) -> None:
-        self.gw = gw
+    def __init__(self, ctx: RequestContext, session: Session, kind: str, req: Any, jobs: list[Choice],
+                 tools: list[dict] | None) -> None:
+        self.ctx = ctx
         self.session = session
         self.kind = kind  # "chat" | "completion"
         self.req = req
@@ -59,31 +61,31 @@ class RequestRun:
         self.created = fmt.now()
         self._queue: asyncio.Queue | None = None
         self._final: asyncio.Task | None = None
-        self.engine_index: int | None = None
+        self.lease: Lease | None = None
 
     # -- running ----------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.gw.dispatcher is not None:  # a dispatch policy places every engine request (rollout/dispatcher.py)
-            with self.session.lock:
-                self.session.in_flight += 1
-            self.engine = self.gw.dispatcher.front(self.session.episode.group_id or self.session.session_id)
-            how = "dispatch"
-        else:
-            with self.session.lock:
-                idx, how = self.gw.router.pick(self.session.engine_index)
-                self.session.engine_index = idx
-                self.session.in_flight += 1
-            self.gw.router.routed(idx, len(self.jobs))
-            self.engine_index = idx
-            self.engine = self.gw.engines[idx]
+        s = self.session
+        try:
+            with s.lock:
+                self.lease = self.ctx.engines.lease(session_id=s.session_id, group_id=s.episode.group_id,
+                                                    current=s.engine_index, n=len(self.jobs))
+                if self.lease.index is not None:
+                    s.engine_index = self.lease.index
+                s.in_flight += 1
+        except EngineClosedError as e:
+            err = UnavailableError(str(e))
+            self.ctx.stats.count_error(err)
+            raise err from None
+        self.engine = self.lease.engine
         for j in self.jobs:
-            j.meta["routing"] = how
-        self.gw.stats.add("requests", 1)
+            j.meta["routing"] = self.lease.how
+        self.ctx.stats.add("requests", 1)
         self._queue = asyncio.Queue() if self.stream else None
         producers = [asyncio.ensure_future(self._produce(j)) for j in self.jobs]
-        self._final = self.gw._spawn(self._finalize(producers))
+        self._final = self.ctx.spawn(self._finalize(producers))
 
-    async def _produce(self, job: Job) -> GenerateResult:
+    async def _produce(self, job: Choice) -> GenerateResult:
         if not self.stream:
             return await self.engine.generate(job.request)
         assert self._queue is not None
@@ -132,26 +134,26 @@ class RequestRun:
                 served.append(s)
                 records.append(rec)
             try:
-                await asyncio.to_thread(self.gw._record, self.session, served, records)
+                await asyncio.to_thread(self.ctx.record, self.session, served, records)
             except Exception as e:  # noqa: BLE001
                 log.exception("recording failed")
                 raise GatewayError(f"the call could not be recorded in the data pool: {e}") from e
             if any(s.result.finish_reason == FinishReason.ABORT for s in served):
-                self.gw.stats.add("aborted", 1)
+                self.ctx.stats.add("aborted", 1)
             return served
         except GatewayError as e:
-            self.gw._count_error(e)
+            self.ctx.stats.count_error(e)
             raise
         finally:
-            if self.engine_index is not None:
-                self.gw.router.routed(self.engine_index, -len(self.jobs))
+            if self.lease is not None:
+                self.lease.release()
             with self.session.lock:
                 self.session.in_flight -= 1
 
     def _map_error(self, e: BaseException | None) -> GatewayError:
         if isinstance(e, EngineClosedError):
-            if self.engine_index is not None:
-                self.gw.router.mark_down(self.engine_index)
+            if self.lease is not None:
+                self.lease.lost()
             return UnavailableError(f"engine {self.engine.engine_id} is shut down; retry the call (another engine may serve it)")
         if isinstance(e, InvalidRequestError):
             return BadRequestError(str(e))
@@ -160,10 +162,10 @@ class RequestRun:
                                      "the session is still usable: retry the call")
         return EngineFailedError(f"internal error while serving this call: {e!r}; nothing was recorded")
 
-    def _served(self, job: Job, result: GenerateResult) -> tuple[fmt.ServedChoice, CallRecord | None]:
-        gw = self.gw
-        end_ids = gw.eos_ids | set(job.request.params.stop_token_ids)
-        text = completion_text(gw.decode, result.token_ids, end_ids if result.finish_reason == FinishReason.STOP else (), job.request.params.stop)
+    def _served(self, job: Choice, result: GenerateResult) -> tuple[fmt.ServedChoice, CallRecord | None]:
+        ctx = self.ctx
+        end_ids = ctx.eos_ids | set(job.request.params.stop_token_ids)
+        text = completion_text(ctx.text.decode, result.token_ids, end_ids if result.finish_reason == FinishReason.STOP else (), job.request.params.stop)
         meta = dict(job.meta)
         parsed = None
         response_key = None
@@ -194,7 +196,7 @@ class RequestRun:
             ends_turn=ends_turn,
             chain=job.chain,
             response_key=response_key,
-            text_key=(job.prompt_text + gw.decode_raw(result.token_ids)) if job.prompt_text is not None else None,
+            text_key=(job.prompt_text + ctx.text.decode_raw(result.token_ids)) if job.prompt_text is not None else None,
         )
         return served, rec
 
@@ -210,40 +212,41 @@ class RequestRun:
     async def response(self) -> dict[str, Any]:
         """The full response body (waits until the calls are recorded)."""
         choices = sorted(await self.served(), key=lambda c: c.index)
-        gw = self.gw
+        ctx = self.ctx
         if self.kind == "chat":
             return fmt.chat_response(
-                rid=self.id, model=gw.model_name, created=self.created, choices=choices,
+                rid=self.id, model=ctx.model_name, created=self.created, choices=choices,
                 prompt_ids_per_choice=False, return_token_ids=self.req.return_token_ids,
-                logprobs=self.req.logprobs, decode_one=gw._decode_one, engine_version=self.engine.version,
+                logprobs=self.req.logprobs, decode_one=ctx.text.decode_one, engine_version=self.engine.version,
             )
         prompt_tokens = sum(len(j.request.prompt_token_ids) for j in self.jobs if j.meta["choice"] == 0)
         return fmt.completion_response(
-            rid=self.id, model=gw.model_name, created=self.created, choices=choices, prompt_tokens=prompt_tokens,
+            rid=self.id, model=ctx.model_name, created=self.created, choices=choices, prompt_tokens=prompt_tokens,
             return_token_ids=self.req.return_token_ids, logprobs=bool(self.req.logprobs),
-            decode_one=gw._decode_one, engine_version=self.engine.version,
+            decode_one=ctx.text.decode_one, engine_version=self.engine.version,
         )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks; the last ones (finish reasons, tool calls, usage) come after recording.
         Closing the iterator early aborts the engine requests (the partial calls are recorded)."""
         assert self.stream and self._queue is not None
-        gw, req, chat = self.gw, self.req, self.kind == "chat"
+        ctx, req, chat = self.ctx, self.req, self.kind == "chat"
         mk = fmt.chat_chunk if chat else fmt.completion_chunk
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
         streamers = {
-            j.index: TextStreamer(gw.decode, gw.eos_ids | set(j.request.params.stop_token_ids),
+            j.index: TextStreamer(ctx.text.decode, ctx.eos_ids | set(j.request.params.stop_token_ids),
                                   j.request.params.stop, tools=bool(self.tools))
             for j in self.jobs
         }
+        offsets = {j.index: 0 for j in self.jobs}  # completions: text_offset of each choice's next token
         finished = False
         try:
             if chat:
                 first = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for j in self.jobs]
                 extra = {"prompt_token_ids": list(self.jobs[0].request.prompt_token_ids)} if want_ids else {}
-                yield mk(self.id, gw.model_name, self.created, first, **extra)
+                yield mk(self.id, ctx.model_name, self.created, first, **extra)
             open_ = len(self.jobs)
             while open_:
                 i, ev = await self._queue.get()
@@ -262,20 +265,21 @@ class RequestRun:
                     if not (text or want_ids or want_lp):
                         continue
                     ch: dict[str, Any] = {"index": idx, "logprobs": None, "finish_reason": None}
+                    ids, lps = [e.token_id for e in evs], [e.logprob for e in evs]
                     if chat:
                         ch["delta"] = {"content": text}
                         if want_lp:
-                            ch["logprobs"] = {"content": fmt.token_logprobs(gw._decode_one, [e.token_id for e in evs], [e.logprob for e in evs])}
+                            ch["logprobs"] = {"content": fmt.token_logprobs(ctx.text.decode_one, ids, lps)}
                     else:
                         ch["text"] = text
                         if want_lp:
-                            ch["logprobs"] = {"tokens": [gw._decode_one(e.token_id) for e in evs],
-                                              "token_logprobs": [e.logprob for e in evs], "top_logprobs": None, "text_offset": []}
+                            ch["logprobs"] = fmt.completion_logprobs(ctx.text.decode_one, ids, lps, start=offsets[idx])
+                            offsets[idx] += sum(len(t) for t in ch["logprobs"]["tokens"])
                     if want_ids:
                         ch["token_ids"] = [e.token_id for e in evs]
                     out.append(ch)
                 if out:
-                    yield mk(self.id, gw.model_name, self.created, out)
+                    yield mk(self.id, ctx.model_name, self.created, out)
             served = sorted(await self.served(), key=lambda c: c.index)
             finished = True
             version = fmt.response_version(served, self.engine.version)
@@ -299,10 +303,10 @@ class RequestRun:
             usage = fmt.usage(prompt_tokens, served, sum(s.result.cached_prompt_tokens for s in served) if not chat
                               else served[0].result.cached_prompt_tokens)
             if include_usage:
-                yield mk(self.id, gw.model_name, self.created, last, policy_version=version)
-                yield mk(self.id, gw.model_name, self.created, [], usage=usage, policy_version=version)
+                yield mk(self.id, ctx.model_name, self.created, last, policy_version=version)
+                yield mk(self.id, ctx.model_name, self.created, [], usage=usage, policy_version=version)
             else:
-                yield mk(self.id, gw.model_name, self.created, last, usage=usage, policy_version=version)
+                yield mk(self.id, ctx.model_name, self.created, last, usage=usage, policy_version=version)
         finally:
             if not finished:
                 self.abort()

@@ -23,21 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from arborl.prefix import common_prefix_len
 from arborl.gateway.render import ChatRenderer, canonical, digest, tools_key
 
 RECENT = 16  # earlier calls a drifting prompt is compared with (token prefix), newest first
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # compare in blocks first: long shared prefixes are the common case
-    step = 256
-    while i + step <= n and list(a[i : i + step]) == list(b[i : i + step]):
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def message_chain(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:

@@ -1,5 +1,6 @@
 """Prefix trees over token-id sequences (KV prefix cache, tree packing)."""
 
+from arborl.prefix.common import common_prefix_len
 from arborl.prefix.radix import PrefixMatch, RadixNode, RadixTree
 
-__all__ = ["PrefixMatch", "RadixNode", "RadixTree"]
+__all__ = ["common_prefix_len", "PrefixMatch", "RadixNode", "RadixTree"]

@@ -3,12 +3,12 @@
 One structure serves two users:
 
 * the inference engine's KV prefix cache: a node's ``value`` is the KV of exactly its
-  edge tokens, ``ref_count`` pins nodes that running requests use, and ``evict`` frees
-  least-recently-used unpinned leaves;
+  edge tokens, and ``evict`` frees least-recently-used leaves (a request copies the KV it
+  matched into its own slot when it is admitted, so nothing in the tree needs pinning);
 * tree packing of training samples, through the deterministic ``dfs`` traversal.
 
-Nodes are never merged back together: a node owns its value and its locks, and merging
-would have to combine both.
+Nodes are never merged back together: a node owns its value, and merging would have to
+combine two.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ V = TypeVar("V")
 
 
 class RadixNode(Generic[V]):
-    __slots__ = ("tokens", "parent", "children", "value", "ref_count", "last_access", "start")
+    __slots__ = ("tokens", "parent", "children", "value", "last_access", "start")
 
     def __init__(
         self,
@@ -37,7 +37,6 @@ class RadixNode(Generic[V]):
         self.parent = parent
         self.children: dict[int, RadixNode[V]] = {}
         self.value = value
-        self.ref_count = 0
         self.last_access = last_access
         self.start = start
 
@@ -56,7 +55,7 @@ class RadixNode(Generic[V]):
     def __repr__(self) -> str:
         return (
             f"RadixNode(start={self.start}, tokens={self.tokens!r}, children={len(self.children)}, "
-            f"ref_count={self.ref_count}, last_access={self.last_access})"
+            f"last_access={self.last_access})"
         )
 
 
@@ -83,14 +82,10 @@ class RadixTree(Generic[V]):
         self._clock = 0
         self._num_nodes = 0
         self._total_tokens = 0
-        self._locked_tokens = 0
 
     @property
     def total_tokens(self) -> int:
         return self._total_tokens
-
-    def evictable_tokens(self) -> int:
-        return self._total_tokens - self._locked_tokens
 
     def __len__(self) -> int:
         return self._num_nodes
@@ -149,42 +144,20 @@ class RadixTree(Generic[V]):
                 break
         return PrefixMatch(i, nodes, last)
 
-    def lock(self, node: RadixNode[V]) -> None:
-        n: RadixNode[V] | None = node
-        while n is not None and n.parent is not None:
-            if n.ref_count == 0:
-                self._locked_tokens += len(n.tokens)
-            n.ref_count += 1
-            n = n.parent
-
-    def unlock(self, node: RadixNode[V]) -> None:
-        # Ancestors hold at least the node's count, but check the whole path before changing anything.
-        n: RadixNode[V] | None = node
-        while n is not None and n.parent is not None:
-            if n.ref_count <= 0:
-                raise ValueError(f"unlock of a node that is not locked: {n!r}")
-            n = n.parent
-        n = node
-        while n is not None and n.parent is not None:
-            n.ref_count -= 1
-            if n.ref_count == 0:
-                self._locked_tokens -= len(n.tokens)
-            n = n.parent
-
     def evict(
         self, num_tokens: int, on_evict: Callable[[RadixNode[V]], None] | None = None
     ) -> int:
         if num_tokens <= 0:
             return 0
         tiebreak = itertools.count()
-        heap = [(n.last_access, next(tiebreak), n) for n in self.dfs() if n.is_leaf and n.ref_count == 0]
+        heap = [(n.last_access, next(tiebreak), n) for n in self.dfs() if n.is_leaf]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_tokens:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             # on_evict may have touched the tree; skip entries that stopped being evictable.
-            if parent is None or not node.is_leaf or node.ref_count > 0:
+            if parent is None or not node.is_leaf:
                 continue
             if on_evict is not None:
                 on_evict(node)
@@ -192,7 +165,7 @@ class RadixTree(Generic[V]):
             self._num_nodes -= 1
             self._total_tokens -= len(node.tokens)
             freed += len(node.tokens)
-            if parent.parent is not None and parent.is_leaf and parent.ref_count == 0:
+            if parent.parent is not None and parent.is_leaf:
                 heapq.heappush(heap, (parent.last_access, next(tiebreak), parent))
         return freed
 
@@ -219,8 +192,8 @@ class RadixTree(Generic[V]):
     def _split(self, node: RadixNode[V], k: int) -> RadixNode[V]:
         """Cut ``node``'s edge after ``k`` tokens; return the new upper part.
 
-        The original object stays the lower part so that outside references to it (locks
-        held by requests) keep pointing at the deepest node they covered.
+        The original object stays the lower part so that outside references to it keep
+        pointing at the deepest node they covered.
         """
         assert node.parent is not None and 0 < k < len(node.tokens)
         if node.value is None:
@@ -230,7 +203,6 @@ class RadixTree(Generic[V]):
         else:
             head_value, tail_value = self.split_value(node.value, k)
         head = RadixNode(node.tokens[:k], node.parent, head_value, node.start, node.last_access)
-        head.ref_count = node.ref_count
         head.children[node.tokens[k]] = node
         node.parent.children[node.tokens[0]] = head
         node.tokens = node.tokens[k:]

@@ -1,6 +1,8 @@
 """Rewards (outcome components, per-turn placement) and advantage estimators (GRPO, Dr.GRPO, reward-to-go)."""
 
 from arborl.rewards.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    Estimator,
     broadcast_to_tokens,
     group_index,
     grpo_advantages,
@@ -11,11 +13,12 @@ from arborl.rewards.advantages import (
     zero_variance_groups,
     zero_variance_mask,
 )
-from arborl.rewards.outcome import combine_components, turn_rewards
+from arborl.rewards.outcome import turn_rewards
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "Estimator",
     "broadcast_to_tokens",
-    "combine_components",
     "group_index",
     "grpo_advantages",
     "pad_turns",

@@ -20,9 +20,15 @@ are outside the loss mask and receive 0.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+from arborl.registry import Registry
+
+if TYPE_CHECKING:
+    from arborl.config import AdvantageConfig
 
 GroupIds = Sequence[Hashable] | Tensor
 TurnRewards = Sequence[Sequence[float]] | Tensor
@@ -244,3 +250,32 @@ def broadcast_to_tokens(values: Tensor | Sequence[float], mask: Tensor, chunk_id
         raise ValueError(f"loss token {t} of sample {n} has chunk id {c[n, t].item()} outside [0, {v.shape[1]})")
     out = v.gather(1, c.clamp(0, max(v.shape[1] - 1, 0))) if v.shape[1] else v.new_zeros(m.shape)
     return torch.where(m, out, 0.0)
+
+
+# ----------------------------------------------------------------------------- estimators by name
+
+
+class Estimator(Protocol):
+    """An advantage estimator (``train.advantage.estimator``): outcome rewards R [N] (float64), the
+    per-turn rewards of each episode (process rewards, outcome on the last turn), the group ids and
+    the advantage config -> one advantage per episode [N] or one per turn [N, K] (0 past an
+    episode's last turn). Turn k is chunk k of the episode's samples (C4)."""
+
+    def __call__(self, rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
+                 cfg: "AdvantageConfig") -> Tensor: ...
+
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
+    """GRPO (Dr.GRPO without std normalisation) on the outcome reward: one value per episode."""
+    return grpo_advantages(rewards, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reward_to_go")
+def reward_to_go_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
+                           cfg: "AdvantageConfig") -> Tensor:
+    """Reward-to-go from each turn minus the group mean (C3), one value per turn (C4)."""
+    return reward_to_go_advantages(turns, group_ids, gamma=cfg.gamma, std_normalize=cfg.std_normalize, eps=cfg.eps)

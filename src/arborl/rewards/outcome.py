@@ -1,22 +1,15 @@
 r"""Outcome rewards and their placement on turns.
 
-An environment scores an episode with named components (``Episode.reward_components``: e.g.
-``correct``, process penalties C1, completion time C2). :func:`combine_components` makes the scalar
-outcome reward R; :func:`turn_rewards` lays R and any per-turn (process) rewards out on the
-episode's K turns, which is what :func:`arborl.rewards.advantages.reward_to_go` consumes:
+A task scores an episode with named components (``Episode.reward_components``); its ``outcome``
+component is the scalar reward R. :func:`turn_rewards` lays R and any per-turn (process) rewards out
+on the episode's K turns, which is what :func:`arborl.rewards.advantages.reward_to_go` consumes:
 
     r_k = p_k + [k = K-1] R            (outcome credited to the last turn)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-
-def combine_components(components: Mapping[str, float], weights: Mapping[str, float] | None = None) -> float:
-    """R = sum_c w_c * components[c]; a component without a weight has weight 1."""
-    weights = weights or {}
-    return float(sum(weights.get(name, 1.0) * float(value) for name, value in components.items()))
+from collections.abc import Sequence
 
 
 def turn_rewards(outcome: float, num_turns: int, process: Sequence[float] | None = None) -> list[float]:

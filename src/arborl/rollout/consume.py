@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
-from arborl.rollout.policies import Batch, ahead_items, window_items
+from arborl.registry import Registry
+from arborl.rollout.policies import Batch, ConsumePolicy, ahead_items, window_items
+
+if TYPE_CHECKING:
+    from arborl.config import SchedulingConfig
 
 RUNNING, FINISHED, TAKEN, DROPPED, CANCELLED, FAILED = "running", "finished", "taken", "dropped", "cancelled", "failed"
 _OPEN = (RUNNING, FINISHED)
@@ -130,6 +134,11 @@ class _Consume:
                 self.counts["cancelled"] += 1
                 cancel.append(it.item_id)
         return cancel
+
+    def on_batch_skipped(self) -> None:
+        """The batch taken last was not trained (no learning signal in it): the trainer keeps its
+        version and is ready for the next batch."""
+        self._taken = self.version
 
     def take_batch(self) -> Batch | None:
         if self._taken > self.version:
@@ -301,25 +310,36 @@ class WindowedFIFOConsume(_Consume):
         return None
 
 
-CONSUME_POLICIES = ("sync", "async_ratio", "windowed_fifo")
+class ConsumeFactory(Protocol):
+    """A consumption policy by name (``scheduling.consume``): built from the scheduling knobs, the
+    batch size (items per training step), the trainer's version and the sample filters."""
+
+    def __call__(self, sched: "SchedulingConfig", batch_size: int, *, version: int,
+                 filters: Sequence[SampleFilter]) -> ConsumePolicy: ...
 
 
-def make_consume(
-    name: str,
-    batch_size: int,
-    *,
-    alpha: float = 1.0,
-    window: float = 0.3,
-    oversample: float = 0.0,
-    max_version_gap: int | None = None,
-    version: int = 0,
-) -> _Consume:
-    """A consumption policy by name (``scheduling.consume``); the version-gap filter composes with any."""
-    filters = [VersionGapFilter(max_version_gap)] if max_version_gap is not None else []
-    if name == "sync":
-        return SyncConsume(batch_size, oversample=oversample, filters=filters, version=version)
-    if name == "async_ratio":
-        return AsyncRatioConsume(batch_size, alpha=alpha, filters=filters, version=version)
-    if name == "windowed_fifo":
-        return WindowedFIFOConsume(batch_size, window=window, alpha=alpha, filters=filters, version=version)
-    raise ValueError(f"unknown consumption policy {name!r}; choose one of {', '.join(CONSUME_POLICIES)}")
+CONSUME_POLICIES: Registry[ConsumeFactory] = Registry("consumption policy")
+
+
+@CONSUME_POLICIES.register("sync")
+def _sync(sched: "SchedulingConfig", batch_size: int, *, version: int, filters: Sequence[SampleFilter]) -> SyncConsume:
+    return SyncConsume(batch_size, oversample=sched.oversample, filters=filters, version=version)
+
+
+@CONSUME_POLICIES.register("async_ratio")
+def _async_ratio(sched: "SchedulingConfig", batch_size: int, *, version: int,
+                 filters: Sequence[SampleFilter]) -> AsyncRatioConsume:
+    return AsyncRatioConsume(batch_size, alpha=sched.async_ratio, filters=filters, version=version)
+
+
+@CONSUME_POLICIES.register("windowed_fifo")
+def _windowed_fifo(sched: "SchedulingConfig", batch_size: int, *, version: int,
+                   filters: Sequence[SampleFilter]) -> WindowedFIFOConsume:
+    return WindowedFIFOConsume(batch_size, window=sched.window, alpha=sched.async_ratio, filters=filters, version=version)
+
+
+def make_consume(sched: "SchedulingConfig", batch_size: int, *, name: str | None = None, version: int = 0) -> ConsumePolicy:
+    """The consumption policy ``name`` (default ``sched.consume``) for ``batch_size`` items per step;
+    the version-gap filter (``sched.max_version_gap``, S4) composes with any policy."""
+    filters = [VersionGapFilter(sched.max_version_gap)] if sched.max_version_gap is not None else []
+    return CONSUME_POLICIES.get(name or sched.consume)(sched, batch_size, version=version, filters=filters)

@@ -4,7 +4,7 @@
   finished items the trainer may take, when a new item may start, and which running items can no
   longer be trained and should be cancelled. An *item* is the unit the trainer consumes: a GRPO group
   in the controllers of arborl (its advantages need every member), an episode elsewhere.
-* A **dispatch policy** (``rollout/seer.py``: pinned, seer) decides which request runs next on an
+* A **dispatch policy** (``rollout/dispatch.py``: pinned, seer) decides which request runs next on an
   engine instance that has room, and how many new tokens it may produce before it comes back.
 
 Both are pure decision logic: they see only events (start / finish / chunk done / version bump /
@@ -39,7 +39,8 @@ class ConsumePolicy(Protocol):
     """Decides what the trainer consumes. Calls: ``on_start`` when an item starts (``can_start`` said
     yes), ``on_finish`` / ``on_fail`` when it ends, ``take_batch`` whenever the trainer is idle and
     ready for its next batch (the answer is trained at ``version``), ``on_version`` when the trainer
-    published new weights (returns running items that can never be trained: abort them)."""
+    published new weights (returns running items that can never be trained: abort them),
+    ``on_batch_skipped`` when the batch taken was not trained (the version stays)."""
 
     name: str
     batch_size: int
@@ -56,6 +57,8 @@ class ConsumePolicy(Protocol):
     def take_batch(self) -> Batch | None: ...
 
     def on_version(self, version: int) -> list[str]: ...
+
+    def on_batch_skipped(self) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
 

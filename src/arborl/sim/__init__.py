@@ -14,7 +14,7 @@ from pathlib import Path
 from arborl.config import Config, SchedulingConfig, SimConfig
 from arborl.rollout.consume import make_consume
 from arborl.rollout.policies import Traced
-from arborl.rollout.seer import make_dispatch
+from arborl.rollout.dispatch import make_dispatch
 from arborl.rollout.timeline import Timeline
 from arborl.sim.cost import CostModel
 from arborl.sim.instance import SimInstance
@@ -53,11 +53,7 @@ def parse_variant(variant: str) -> tuple[str, str]:
 def build_policies(sched: SchedulingConfig, consume: str, dispatch: str, *, batch_size: int, instances: int,
                    version: int = 0):
     """The policy objects a controller or the simulator uses, from the scheduling knobs."""
-    c = make_consume(consume, batch_size, alpha=sched.async_ratio, window=sched.window, oversample=sched.oversample,
-                     max_version_gap=sched.max_version_gap, version=version)
-    d = make_dispatch(dispatch, instances, chunk_tokens=sched.chunk_tokens, context_aware=sched.context_aware,
-                      starvation_s=sched.starvation_s or math.inf)
-    return c, d
+    return make_consume(sched, batch_size, name=consume, version=version), make_dispatch(sched, instances, name=dispatch)
 
 
 def run_variant(cfg: Config, variant: str, *, trace: bool = False, timeline: bool = False,

@@ -19,16 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from arborl.seeding import derive_seed
 from arborl.rollout.policies import Assignment, Batch, RequestSpec
 from arborl.rollout.timeline import Timeline
 from arborl.sim.instance import Admit, ChunkEnd, Instance
 from arborl.sim.workload import EpisodePlan, Workload
-
-
-def _seed(text: str) -> int:
-    import zlib
-
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 class SimDeadlock(RuntimeError):
@@ -378,7 +373,7 @@ class RolloutDriver:
         r.running = True
         inst.admit(
             Admit(r.rid, ep.lineage, ep.ctx + r.generated, stop, home=ep.home, home_tokens=ep.home_tokens,
-                  priority=a.priority, seed=_seed(r.rid), reserve=0),
+                  priority=a.priority, seed=derive_seed(r.rid, bits=31), reserve=0),
             self.now,
         )
         if self.timeline is not None:

@@ -3,10 +3,8 @@ with the right ``Answer: <number>``.
 
 This is the workload ``arborl bench vs-trl`` runs in both arborl and TRL, so everything a
 framework needs to see the same job lives here, as plain data: ``prompt_messages(task)`` (the
-chat messages, system prompt included, exactly what arborl's agent sends), ``reward(answer, text)``
-(the one scoring rule), and ``trl_rows`` / ``trl_reward`` (the same tasks and rule in the shape
-TRL's GRPOTrainer takes: a dataset of ``{"prompt": messages, "answer": str}`` and a reward function
-``f(completions, answer, **kw) -> list[float]``).
+chat messages, system prompt included, exactly what arborl's agent sends) and ``reward(answer, text)``
+(the one scoring rule); the bench puts them in TRL's shape.
 
 Tasks are generated from a seed (no data files); train and eval draw from disjoint seeds.
 """
@@ -64,25 +62,6 @@ def prompt_messages(task: Task) -> list[dict[str, str]]:
 def reward(answer: str, text: str | None) -> float:
     """1.0 when the last ``Answer: <number>`` in ``text`` equals ``answer``, else 0.0."""
     return 1.0 if text and extract_answer(text) == answer else 0.0
-
-
-# -- TRL's shape of the same job ------------------------------------------------------------------
-def trl_rows(tasks: list[Task]) -> list[dict[str, Any]]:
-    """Dataset rows for TRL's GRPOTrainer (conversational prompts; ``answer`` reaches the reward)."""
-    return [{"prompt": prompt_messages(t), "answer": t.metadata["answer"], "task_id": t.task_id} for t in tasks]
-
-
-def completion_text(completion: Any) -> str:
-    """TRL passes a conversational completion as a list of messages; the final text is the last
-    assistant message's content."""
-    if isinstance(completion, str):
-        return completion
-    texts = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
-    return texts[-1] if texts else ""
-
-
-def trl_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-    return [reward(a, completion_text(c)) for c, a in zip(completions, answer, strict=True)]
 
 
 class ArithSuite:

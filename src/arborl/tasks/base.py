@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arborl.agents import AgentLoop, AgentOutcome
 from arborl.types import Call, Task
+
+if TYPE_CHECKING:
+    from arborl.config import RolloutConfig
 
 
 class TaskSuite(Protocol):
@@ -19,3 +22,9 @@ class TaskSuite(Protocol):
 
     def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
         """Reward components of one finished episode; ``"outcome"`` is the task's success in [0, 1]."""
+
+
+class SuiteFactory(Protocol):
+    """What ``rollout.task`` names: the rollout section -> a task suite."""
+
+    def __call__(self, rollout: "RolloutConfig") -> TaskSuite: ...

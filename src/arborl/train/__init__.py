@@ -1,5 +1,6 @@
-"""Training: policy-gradient losses (``losses``), training-inference mismatch corrections
-(``corrections``); the trainer, packing and MTP modules build on them."""
+"""Training: samples from recorded calls (``samples``), policy-gradient losses (``losses``),
+training-inference mismatch corrections (``corrections``), packing (``packing``, flat and tree) and
+the trainer (``trainer``) that runs them; ``checkpoint`` saves and resumes it."""
 
 from arborl.train.corrections import rollout_correction
 from arborl.train.losses import (

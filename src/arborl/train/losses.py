@@ -24,12 +24,13 @@ never leak a NaN into the loss or its gradient. An all-masked batch gives loss 0
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-Kind = Literal["ppo", "cispo"]
+from arborl.registry import Registry
+
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -215,7 +216,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
-    kind: Kind = "ppo",
+    kind: str = "ppo",
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     dual_clip: float | None = None,
@@ -233,7 +234,8 @@ def policy_loss(
 
         L = agg(w * l^pg) + kl_coef * agg(k(logp, ref_logp)) - entropy_coef * agg(H)
 
-    l^pg is :func:`ppo_clip_token_loss` (kind="ppo") or :func:`cispo_token_loss` (kind="cispo");
+    l^pg is the token loss registered as ``kind`` in :data:`POLICY_LOSSES` (ppo:
+    :func:`ppo_clip_token_loss`, cispo: :func:`cispo_token_loss`, or a ``module:attr`` path);
     agg is :func:`aggregate` with ``aggregation`` (and the micro-batch totals ``num_tokens`` /
     ``num_samples``). w (``weights`` [B, T], e.g. from :func:`arborl.train.corrections.rollout_correction`)
     multiplies only the policy-gradient term; tokens it zeroes still count in the denominator.
@@ -247,7 +249,7 @@ def policy_loss(
     per-token KL to ref), loss/entropy, loss/clip_frac (+ _high, _low, _dual: fraction of tokens
     whose clip is active), loss/approx_kl (k3 KL(old || new)), loss/ratio_mean/min/max, loss/tokens.
     """
-    _choice("kind", kind, ("ppo", "cispo"))
+    token_loss = POLICY_LOSSES.get(kind)
     m = mask > 0
     adv = advantages.detach()
     adv = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
@@ -255,16 +257,8 @@ def policy_loss(
     logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # off the mask: logp = old = 0, ratio 1
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
-    if kind == "ppo":
-        if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
-        if dual_clip is not None and dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-        pg_tok, clipped = ppo_clip_token_loss(
-            logp, old, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
-        )
-    else:
-        pg_tok, clipped = cispo_token_loss(logp, old, adv, eps_high=cispo_eps_high, eps_low=cispo_eps_low)
+    pg_tok, clipped = token_loss(logp, old, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                                 cispo_eps_high=cispo_eps_high, cispo_eps_low=cispo_eps_low)
     if weights is not None:
         pg_tok = pg_tok * torch.where(m, weights.detach(), torch.zeros_like(pg_tok))
 
@@ -308,3 +302,33 @@ def policy_loss(
             "loss/tokens": float(n),
         }
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------- token losses by name
+
+
+class TokenLoss(Protocol):
+    """A policy-gradient token loss (``train.loss.kind``): (logp, old_logp, advantages [B, T], the
+    loss knobs as keywords) -> (per-token loss to minimise [B, T], {name: bool mask of tokens whose
+    clip is active}; names "high", "low", "dual" are logged as clip fractions)."""
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, **options: Any) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+POLICY_LOSSES: Registry[TokenLoss] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("ppo")
+def _ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
+         dual_clip: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+
+
+@POLICY_LOSSES.register("cispo")
+def _cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, cispo_eps_high: float = 0.28,
+           cispo_eps_low: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return cispo_token_loss(logp, old_logp, advantages, eps_high=cispo_eps_high, eps_low=cispo_eps_low)

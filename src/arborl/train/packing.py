@@ -1,4 +1,4 @@
-"""Packing training samples into rows: flat (the baseline) and prefix-tree (row P2 of DESIGN).
+"""Packing training samples into rows: flat (the baseline) and prefix-tree (P2: shared prefixes computed once).
 
 The members of a GRPO group share their prompt and the turns of an episode share their history.
 Tree packing merges the samples of a micro-batch into the one prefix tree of the project

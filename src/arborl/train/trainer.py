@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -59,9 +61,11 @@ def micro_batches(samples: list[Sample], token_budget: int, *, tree: bool = Fals
     return batches
 
 
-def _per_token(samples: list[Sample], field: str, dtype: torch.dtype, device) -> torch.Tensor:
-    """[B, T-1] padded tensor of a per-token Sample field, aligned with next-token predictions."""
-    rows = [torch.tensor(getattr(s, field)[1:], dtype=dtype) for s in samples]
+def _per_token(samples: list[Sample], field: str | Callable[[Sample], list], dtype: torch.dtype, device) -> torch.Tensor:
+    """[B, T-1] padded tensor of a per-token Sample field (a name, or a function of the sample),
+    aligned with next-token predictions."""
+    get = field if callable(field) else operator.attrgetter(field)
+    rows = [torch.tensor(get(s)[1:], dtype=dtype) for s in samples]
     return pad_sequence(rows, batch_first=True).to(device)
 
 
@@ -127,6 +131,7 @@ class Trainer:
         if num_tokens == 0:
             return {"train/skipped": 1.0, "train/step": float(self.step)}
         cfg = self.cfg
+        tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -146,7 +151,7 @@ class Trainer:
             entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
             dtype = logp.dtype
             mask = _per_token(mb, "loss_mask", dtype, self.device)
-            rollout = _per_token(mb, "rollout_logprobs", dtype, self.device)
+            rollout = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
             adv = _per_token(mb, "advantages", dtype, self.device)
             chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
             weights, corr = rollout_correction(

@@ -11,13 +11,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from arborl.assemble import build_gateway
 from arborl.config import dump_config, load_config
-from arborl.gateway.launch import build_gateway
+from arborl.extensions import check_extensions
 from arborl.gateway.server import bind, serve_forever
 
 
 def run_serve(config: Path | None, host: str | None, port: int | None, overrides: list[str], console: Console) -> None:
     cfg = load_config(config, overrides)
+    check_extensions(cfg)
     host = host or cfg.gateway.host
     port = cfg.gateway.port if port is None else port
     run_dir = cfg.run_dir

@@ -1,4 +1,4 @@
-"""Routing a session's calls over several engines: affinity first, load as the fallback.
+"""Session-affinity placement of the engine pool: a session's calls stay on one engine, load is the fallback.
 
 A session stays on one engine so its growing prompt finds its prefix in that engine's KV cache.
 When that engine has ``affinity_max_load`` or more requests in flight and another engine has
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from arborl.gateway.errors import UnavailableError
+from arborl.engine.async_engine import EngineClosedError
 
 
 class Routable(Protocol):
@@ -24,7 +24,7 @@ class Routable(Protocol):
     def load(self) -> int: ...
 
 
-class Router:
+class AffinityRouter:
     def __init__(self, engines: Sequence[Routable], affinity_max_load: int) -> None:
         if not engines:
             raise ValueError("a gateway needs at least one engine")
@@ -55,7 +55,7 @@ class Router:
         with self._lock:
             alive = [i for i in range(len(self.engines)) if i not in self.down]
             if not alive:
-                raise UnavailableError("no engine is serving (all were shut down); restart the gateway")
+                raise EngineClosedError("no engine is serving (all were shut down); restart the gateway")
             loads = {i: self.load(i) for i in alive}
             least = min(loads.values())
             start = next(self._rr)

@@ -30,8 +30,13 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from arborl.rollout.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, RequestSpec
+from arborl.registry import Registry
+from arborl.rollout.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, DispatchPolicy, RequestSpec
+
+if TYPE_CHECKING:
+    from arborl.config import SchedulingConfig
 
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 MAX_IDLE_GROUPS = 65536  # groups with no request left that keep their statistics (forget())
@@ -365,20 +370,27 @@ class SeerDispatch(_Dispatch):
         raise AssertionError("seer dispatch: pending requests but none queued")  # pragma: no cover
 
 
-DISPATCH_POLICIES = ("pinned", "seer")
+class DispatchFactory(Protocol):
+    """A dispatch policy by name (``scheduling.dispatch``): built from the scheduling knobs and the
+    number of engine instances."""
+
+    def __call__(self, sched: "SchedulingConfig", instances: int) -> DispatchPolicy: ...
 
 
-def make_dispatch(
-    name: str,
-    instances: int,
-    *,
-    chunk_tokens: int = 4096,
-    context_aware: bool = True,
-    starvation_s: float = math.inf,
-) -> _Dispatch:
-    """A dispatch policy by name (``scheduling.dispatch``)."""
-    if name == "pinned":
-        return PinnedDispatch(instances)
-    if name == "seer":
-        return SeerDispatch(chunk_tokens=chunk_tokens, context_aware=context_aware, starvation_s=starvation_s)
-    raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(DISPATCH_POLICIES)}")
+DISPATCH_POLICIES: Registry[DispatchFactory] = Registry("dispatch policy")
+
+
+@DISPATCH_POLICIES.register("pinned")
+def _pinned(sched: "SchedulingConfig", instances: int) -> PinnedDispatch:
+    return PinnedDispatch(instances)
+
+
+@DISPATCH_POLICIES.register("seer")
+def _seer(sched: "SchedulingConfig", instances: int) -> SeerDispatch:
+    return SeerDispatch(chunk_tokens=sched.chunk_tokens, context_aware=sched.context_aware,
+                        starvation_s=sched.starvation_s or math.inf)
+
+
+def make_dispatch(sched: "SchedulingConfig", instances: int, *, name: str | None = None) -> DispatchPolicy:
+    """The dispatch policy ``name`` (default ``sched.dispatch``) over ``instances`` engine instances."""
+    return DISPATCH_POLICIES.get(name or sched.dispatch)(sched, instances)

@@ -1,0 +1,273 @@
+"""The controller: the one step loop of a training run.
+
+Episodes run as white-box agents through the gateway (so every token is recorded in the data pool),
+grouped G to a task (the GRPO group). A **consumption policy** (``scheduling.consume``, a registry of
+``rollout/consume.py``: sync, async_ratio, windowed_fifo, or the user's own) decides when groups
+start and which finished groups the trainer takes: ``sync`` starts a step's B groups at the
+trainer's version and waits for all of them (on-policy); the asynchronous policies keep groups in
+flight while the trainer trains. Each step then
+
+1. waits for the policy's next batch of finished groups (cancelling those it gives up),
+2. reads the groups' episodes back from the data pool and scores them with the task suite,
+3. builds the samples (``train/samples.py``: tokens, loss mask, log-probs, versions, advantages),
+   loss-masks stale tokens when ``scheduling.stale_token_mask`` is set,
+4. trains one step and publishes the weights to the engine pool as version + 1,
+5. writes one row of metrics (and the rollout timeline when ``scheduling.timeline``).
+
+Tasks are drawn from the suite B at a time (draw k seeded by (run seed, k)); the k-th draw is the
+batch a synchronous step k trains on. Episodes are seeded from (run seed, draw, task, member): a
+resumed run samples exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from arborl.agents import AGENTS, run_agent
+from arborl.config import Config
+from arborl.datapool import DataPool
+from arborl.engine.pool import EnginePool
+from arborl.gateway.core import Gateway
+from arborl.rollout.consume import make_consume
+from arborl.rollout.partial import mask_stale
+from arborl.rollout.timeline import Timeline
+from arborl.seeding import derive_seed
+from arborl.tasks import TaskSuite
+from arborl.train.samples import build_samples
+from arborl.train.trainer import Trainer
+from arborl.types import ArborlError, Episode, EpisodeStatus, Task
+
+
+class Controller:
+    """Rollout, consumption, training, publishing and evaluation of one run; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        gateway: Gateway,
+        engines: EnginePool,
+        datapool: DataPool,
+        trainer: Trainer | None,
+        suite: TaskSuite,
+        *,
+        version: int = 0,
+        start_step: int = 0,
+    ) -> None:
+        """``start_step``: the step a resumed run continues at (its task stream continues there too)."""
+        self.cfg = cfg
+        self.gateway = gateway
+        self.engines = engines
+        self.datapool = datapool
+        self.trainer = trainer
+        self.suite = suite
+        self.make_agent = AGENTS.get(cfg.rollout.agent)
+        self.version = version
+        self.policy = make_consume(cfg.scheduling, cfg.rollout.batch_tasks, version=version)
+        self._running: dict[str, asyncio.Task] = {}  # group id -> its episodes in flight
+        self._finished: dict[str, list[Episode]] = {}  # finished groups not yet consumed
+        self._changed = asyncio.Event()
+        self._started = start_step * cfg.rollout.batch_tasks  # the position in the task stream
+        self._draws: dict[int, list[Task]] = {}
+        self.t0 = time.time()
+        self.timeline = Timeline() if cfg.scheduling.timeline else None
+
+    # -- episodes ---------------------------------------------------------------------------------
+    async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any]) -> Episode:
+        """One episode through the gateway, read back from the data pool and scored."""
+        run = await run_agent(self.gateway, self.make_agent(self.suite, sampling), task, group_id=group_id,
+                              timeout_s=self.cfg.rollout.agent_timeout_s)
+        episode = await asyncio.to_thread(self.datapool.get_episode, run.episode_id)
+        if episode is None:  # the session never reached the data pool
+            episode = Episode(task.task_id, group_id, status=EpisodeStatus.FAILED, episode_id=run.episode_id)
+        components = self.suite.score(task, run.outcome, episode.calls) if run.status == EpisodeStatus.FINISHED else {}
+        episode.status = run.status
+        episode.reward_components = components
+        episode.reward = float(components.get("outcome", 0.0))
+        await asyncio.to_thread(self.datapool.update_episode, run.episode_id, reward=episode.reward,
+                                reward_components=components)
+        return episode
+
+    async def run_groups(self, tasks: list[Task], group_size: int, *, temperature: float, tag: str) -> list[Episode]:
+        """``group_size`` episodes of each task, all at once; group ids are ``tag:task_id``."""
+        r = self.cfg.rollout
+        jobs = []
+        for task in tasks:
+            for member in range(group_size):
+                sampling = {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
+                            "seed": derive_seed(self.cfg.seed, tag, task.task_id, member)}
+                jobs.append(self._episode(task, f"{tag}:{task.task_id}", sampling))
+        return list(await asyncio.gather(*jobs))
+
+    # -- groups under the consumption policy ------------------------------------------------------
+    def next_task(self) -> tuple[Task, str]:
+        """The next task of the stream and its draw's tag."""
+        b = self.cfg.rollout.batch_tasks
+        draw, pos = divmod(self._started, b)
+        self._started += 1
+        if draw not in self._draws:
+            self._draws[draw] = draw_tasks(self.suite, self.cfg.seed, b, draw)
+        task = self._draws[draw][pos]
+        if pos == b - 1:
+            del self._draws[draw]
+        return task, f"step{draw}"
+
+    def _fill(self) -> None:
+        while self.policy.can_start():
+            task, tag = self.next_task()
+            gid = f"{tag}:{task.task_id}"
+            self.policy.on_start(gid)
+            self._running[gid] = asyncio.create_task(self._group(gid, task, tag))
+
+    async def _group(self, gid: str, task: Task, tag: str) -> None:
+        r = self.cfg.rollout
+        try:
+            episodes = await self.run_groups([task], r.group_size, temperature=r.temperature, tag=tag)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - one group's crash never stops the others
+            self.policy.on_fail(gid)
+        else:
+            versions = [v for v in (e.min_version() for e in episodes) if v is not None]
+            self._finished[gid] = episodes
+            self.policy.on_finish(gid, min(versions) if versions else None)
+        finally:
+            self._running.pop(gid, None)
+            self._changed.set()
+
+    def cancel(self, gids) -> None:
+        """Stop these groups (their requests are aborted in the engines) and forget their episodes."""
+        for gid in gids:
+            t = self._running.pop(gid, None)
+            if t is not None:
+                t.cancel()
+            self._finished.pop(gid, None)
+
+    async def close(self) -> None:
+        """Cancel every group still in flight and wait until they are gone."""
+        tasks = list(self._running.values())
+        self.cancel(list(self._running))
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _next_batch(self):
+        while True:
+            self._changed.clear()
+            self._fill()
+            b = self.policy.take_batch()
+            if b is not None:
+                return b
+            if not self._running:
+                raise ArborlError(f"consumption policy {self.policy.name} waits for a batch but no group is in "
+                                  f"flight: {self.policy.stats()}")
+            await self._changed.wait()
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def publish(self) -> float:
+        """Send the trainer's weights to every engine as version + 1; returns seconds."""
+        assert self.trainer is not None
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(self.trainer.engine_state)
+        self.version += 1
+        await self.engines.update_weights(state, self.version)
+        return time.perf_counter() - t0
+
+    # -- one step ---------------------------------------------------------------------------------
+    async def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        assert self.trainer is not None, "a controller without a trainer only evaluates"
+        t0 = time.perf_counter()
+        dispatcher = self.engines.dispatcher
+        if dispatcher is not None and self.timeline is not None:  # one span per piece (engine, chunk)
+            dispatcher.record(self.timeline, t0=self.t0, step=step)
+        batch = await self._next_batch()
+        rollout_s = time.perf_counter() - t0
+        self.cancel(batch.cancel)
+        for gid in batch.dropped:
+            self._finished.pop(gid, None)
+        groups = {gid: self._finished.pop(gid) for gid in batch.items}
+        episodes = [e for eps in groups.values() for e in eps]
+        samples, stats = build_samples(episodes, cfg.train.advantage)
+        masked = 0
+        if cfg.scheduling.stale_token_mask is not None:
+            out = [mask_stale(x, self.version, cfg.scheduling.stale_token_mask) for x in samples]
+            samples, masked = [x for x, _ in out], sum(n for _, n in out)
+        gap = max((self.version - v for v in (e.min_version() for e in episodes) if v is not None), default=0)
+        train_metrics: dict[str, float] = {}
+        publish_s = 0.0
+        if samples:
+            train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
+            publish_s = await self.publish()
+            self.cancel(self.policy.on_version(self.version))
+        else:
+            self.policy.on_batch_skipped()
+        if self.timeline is not None:
+            if dispatcher is None:
+                for gid, eps in groups.items():
+                    for e in eps:
+                        self.timeline.add_calls(e.calls, group_id=gid, step=step, t0=self.t0)
+            self.timeline.mark(time.time() - self.t0, "publish", step=step)
+            await asyncio.to_thread(write_step_timeline, self.timeline, cfg.run_dir, step,
+                                    f"{cfg.name} step {step + 1} ({self.policy.name})")
+        if step + 1 >= cfg.rollout.steps:
+            await self.close()
+        step_s = time.perf_counter() - t0
+        gen_tokens = sum(len(c.completion_token_ids) for e in episodes for c in e.calls)
+        # sync: tokens per second of the rollout; async: generation overlaps training, so per second of the step
+        gen_s = rollout_s if self.policy.name == "sync" else step_s
+        n = max(1, len(episodes))
+        st = self.policy.stats()
+        return {
+            "step": step + 1,
+            "reward": sum(e.reward or 0.0 for e in episodes) / n,
+            "success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / n,
+            "tool_use": sum(e.reward_components.get("used_tool", 0.0) for e in episodes) / n,
+            "episodes": stats.episodes,
+            "unusable_episodes": stats.unusable,
+            "zero_variance_groups": stats.zero_variance_groups,
+            "samples": stats.samples,
+            "generated_tokens": gen_tokens,
+            "rollout_s": rollout_s,
+            "rollout_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
+            "train_s": train_metrics.get("train/step_s", 0.0),
+            "publish_s": publish_s,
+            "step_s": step_s,
+            "policy_version": self.version,
+            "sched/max_version_gap": gap,
+            "sched/dropped_groups": st["dropped"],
+            "sched/cancelled_groups": st["cancelled"],
+            "sched/in_flight_groups": len(self._running),
+            "sched/masked_tokens": masked,
+            **{f"dispatch/{k}": v for k, v in self.engines.dispatch_stats().items()},
+            **{k: v for k, v in train_metrics.items() if k != "train/step"},
+        }
+
+    # -- evaluation -------------------------------------------------------------------------------
+    async def evaluate(self, n: int) -> dict[str, float]:
+        """Held-out success: one episode per eval task at ``eval_temperature``."""
+        if n <= 0:
+            return {}
+        tasks = self.suite.tasks("eval", n, seed=0)
+        t0 = time.perf_counter()
+        episodes = await self.run_groups(tasks, 1, temperature=self.cfg.rollout.eval_temperature,
+                                         tag=f"eval-v{self.version}")
+        return {
+            "eval_success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / len(episodes),
+            "eval_reward": sum(e.reward or 0.0 for e in episodes) / len(episodes),
+            "eval_tool_use": sum(e.reward_components.get("used_tool", 0.0) for e in episodes) / len(episodes),
+            "eval_s": time.perf_counter() - t0,
+        }
+
+
+def draw_tasks(suite: TaskSuite, seed: int, batch_tasks: int, draw: int) -> list[Task]:
+    """Draw ``draw`` of the task stream: the tasks a synchronous step ``draw`` trains on."""
+    return suite.tasks("train", batch_tasks, seed=derive_seed(seed, "tasks", draw) % 2**31)
+
+
+def write_step_timeline(timeline: Timeline, run_dir: str | Path, step: int, title: str) -> None:
+    """The step's Gantt PNG, and its spans appended to spans.jsonl, under <run_dir>/timeline/."""
+    d = Path(run_dir) / "timeline"
+    d.mkdir(parents=True, exist_ok=True)
+    timeline.gantt(d / f"step{step + 1:04d}.png", title=title, step=step)
+    timeline.write_jsonl(d / "spans.jsonl", step=step, append=True)

@@ -1,0 +1,40 @@
+"""The config knobs that name an extension point, their registries, and the check that every such
+name resolves before a job starts (a typo fails in a second, naming the key, not after the model loaded)."""
+
+from __future__ import annotations
+
+from arborl.agents import AGENTS
+from arborl.config import Config, ConfigError
+from arborl.registry import Registry, RegistryError
+from arborl.rewards import ADVANTAGE_ESTIMATORS
+from arborl.rollout.consume import CONSUME_POLICIES
+from arborl.rollout.dispatch import DISPATCH_POLICIES
+from arborl.tasks import TASK_SUITES
+from arborl.train.losses import POLICY_LOSSES
+
+# knob (dotted key path) -> the registry its value is looked up in
+REGISTRY_KNOBS: dict[str, Registry] = {
+    "rollout.task": TASK_SUITES,
+    "rollout.agent": AGENTS,
+    "train.loss.kind": POLICY_LOSSES,
+    "train.advantage.estimator": ADVANTAGE_ESTIMATORS,
+    "scheduling.consume": CONSUME_POLICIES,
+    "scheduling.dispatch": DISPATCH_POLICIES,
+}
+
+
+def knob_value(cfg: Config, key: str) -> str:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return str(node)
+
+
+def check_extensions(cfg: Config) -> None:
+    """Resolve every extension knob of ``cfg``; a name that is neither registered nor a loadable path
+    raises ConfigError naming the key."""
+    for key, registry in REGISTRY_KNOBS.items():
+        try:
+            registry.get(knob_value(cfg, key))
+        except RegistryError as e:
+            raise ConfigError(f"{key}: {e}") from None
