@@ -78,13 +78,11 @@ def test_same_messages_and_prompt_token_ids(tiny):
 
 
 def test_step_tasks_are_what_the_controller_draws():
-    from arborl.controller import Controller
+    from arborl.controller import draw_tasks
 
     wl = Workload(steps=3)
-    ctl = Controller(arborl_config(wl, "unused"), None, None, None, None, arith.ArithSuite())
-    drawn = [ctl.next_task()[0] for _ in range(wl.steps * wl.batch_tasks)]
-    for k in range(wl.steps):
-        want = drawn[k * wl.batch_tasks:(k + 1) * wl.batch_tasks]
+    for k in range(wl.steps):  # the controller's task stream: draw k is what synchronous step k trains on
+        want = draw_tasks(arith.ArithSuite(), wl.seed, wl.batch_tasks, k)
         assert [t.task_id for t in step_tasks(wl, k)] == [t.task_id for t in want]
         rows = trl_dataset_rows(wl)[k * wl.batch_tasks:(k + 1) * wl.batch_tasks]
         assert [r["task_id"] for r in rows] == [t.task_id for t in want]

@@ -102,7 +102,7 @@ class Controller:
         return list(await asyncio.gather(*jobs))
 
     # -- groups under the consumption policy ------------------------------------------------------
-    def next_task(self) -> tuple[Task, str]:
+    def _next_task(self) -> tuple[Task, str]:
         """The next task of the stream and its draw's tag."""
         b = self.cfg.rollout.batch_tasks
         draw, pos = divmod(self._started, b)
@@ -116,7 +116,7 @@ class Controller:
 
     def _fill(self) -> None:
         while self.policy.can_start():
-            task, tag = self.next_task()
+            task, tag = self._next_task()
             gid = f"{tag}:{task.task_id}"
             self.policy.on_start(gid)
             self._running[gid] = asyncio.create_task(self._group(gid, task, tag))

@@ -1,7 +1,7 @@
 """Serving engine requests through a dispatch policy (S5, S6) over several engines.
 
-The gateway takes this path instead of its session-affinity router when ``scheduling.dispatch`` is
-``seer`` (or ``scheduling.partial_rollout`` is ``abort_resume``). A request is submitted with its
+The engine pool (``engine/pool.py``) places requests this way instead of by session affinity when
+``scheduling.dispatch`` is not ``pinned`` (or ``scheduling.partial_rollout`` is ``abort_resume``). A request is submitted with its
 group (the session's GRPO group); it waits in the policy's queue until the policy hands it to an
 engine with room; that engine serves one *piece* of it (at most the assignment's new tokens: a Seer
 chunk, or the rest of the request), then the request comes back to the policy, which may send its
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from arborl.engine import AsyncEngine, EngineClosedError, TokenEvent
+from arborl.engine.async_engine import AsyncEngine, EngineClosedError, TokenEvent
 from arborl.rollout.partial import continuation, merge
 from arborl.rollout.policies import Assignment, RequestSpec
 from arborl.rollout.timeline import Timeline

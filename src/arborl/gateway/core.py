@@ -283,8 +283,8 @@ class Gateway:
             if tools:
                 meta["tools"] = [t["function"]["name"] for t in tools]
             max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
-            jobs = self._jobs(req, [(prompt, meta, chain, None)], max_tokens)
-            run = RequestRun(self.requests, session, "chat", req, jobs, tools)
+            choices = self._plan_choices(req, [(prompt, meta, chain, None)], max_tokens)
+            run = RequestRun(self.requests, session, "chat", req, choices, tools)
         except GatewayError as e:
             self.stats.count_error(e)
             raise
@@ -361,8 +361,8 @@ class Gateway:
                     if drift:
                         meta["drift"] = drift
                     planned.append((list(prompt), meta, None, None))
-            jobs = self._jobs(req, planned, req.max_tokens or 16)
-            run = RequestRun(self.requests, session, "completion", req, jobs, None)
+            choices = self._plan_choices(req, planned, req.max_tokens or 16)
+            run = RequestRun(self.requests, session, "completion", req, choices, None)
         except GatewayError as e:
             self.stats.count_error(e)
             raise
@@ -393,13 +393,13 @@ class Gateway:
             )
         return [n.split(" ")[0] for n in names]
 
-    def _jobs(self, req: Any, planned: list[tuple[list[int], dict, list[str] | None, str | None]], max_tokens: int) -> list[Choice]:
+    def _plan_choices(self, req: Any, planned: list[tuple[list[int], dict, list[str] | None, str | None]], max_tokens: int) -> list[Choice]:
         if req.n > self.config.max_n:
             raise BadRequestError(f"n is {req.n} but this gateway serves at most {self.config.max_n} choices (gateway.max_n)", param="n")
         stops = req.stops()
         if stops and self.tokenizer is None:
             raise BadRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop")
-        jobs = []
+        choices = []
         for pi, (prompt, meta, chain, text) in enumerate(planned):
             if len(prompt) >= self.max_seq_len:
                 raise BadRequestError(
@@ -426,8 +426,8 @@ class Gateway:
                     raise BadRequestError(str(e), param="prompt_token_ids" if meta.get("input") == "tokens" else None) from None
                 m = dict(meta, choice=j, n=req.n, params={"temperature": params.temperature, "top_p": params.top_p,
                                                            "top_k": params.top_k, "max_tokens": max_tokens, "seed": params.seed})
-                jobs.append(Choice(pi * req.n + j, greq, m, chain, text))
-        return jobs
+                choices.append(Choice(pi * req.n + j, greq, m, chain, text))
+        return choices
 
     async def drain(self) -> None:
         """Wait until every request started on this event loop is recorded (or failed)."""

@@ -1,8 +1,8 @@
 """One request in flight: its engine requests (one per choice), their recording, its response or stream.
 
 ``RequestRun.start`` places the request in the engine pool and starts one task per choice; a
-detached finaliser task waits for all of them and records their calls (``RequestContext.record``) before ``response()`` returns or
-``chunks()`` yields the last chunk. A failed choice aborts the others and records nothing; a client
+detached finaliser task waits for all of them and records their calls (``RequestContext.record``)
+before ``response()`` returns or ``chunks()`` yields the last chunk. A failed choice aborts the others and records nothing; a client
 that goes away (``abort()``) stops generation, and the partial calls are still recorded.
 """
 
@@ -46,13 +46,13 @@ class Choice:
 class RequestRun:
     """One request in flight: its engine requests, their recording, its response or stream."""
 
-    def __init__(self, ctx: RequestContext, session: Session, kind: str, req: Any, jobs: list[Choice],
+    def __init__(self, ctx: RequestContext, session: Session, kind: str, req: Any, choices: list[Choice],
                  tools: list[dict] | None) -> None:
         self.ctx = ctx
         self.session = session
         self.kind = kind  # "chat" | "completion"
         self.req = req
-        self.jobs = jobs
+        self.choices = choices
         self.tools = tools
         self.tool_names = {t["function"]["name"] for t in tools} if tools else None
         self.stream = bool(req.stream)
@@ -69,7 +69,7 @@ class RequestRun:
         try:
             with s.lock:
                 self.lease = self.ctx.engines.lease(session_id=s.session_id, group_id=s.episode.group_id,
-                                                    current=s.engine_index, n=len(self.jobs))
+                                                    current=s.engine_index, n=len(self.choices))
                 if self.lease.index is not None:
                     s.engine_index = self.lease.index
                 s.in_flight += 1
@@ -78,11 +78,11 @@ class RequestRun:
             self.ctx.stats.count_error(err)
             raise err from None
         self.engine = self.lease.engine
-        for j in self.jobs:
+        for j in self.choices:
             j.meta["routing"] = self.lease.how
         self.ctx.stats.add("requests", 1)
         self._queue = asyncio.Queue() if self.stream else None
-        producers = [asyncio.ensure_future(self._produce(j)) for j in self.jobs]
+        producers = [asyncio.ensure_future(self._produce(j)) for j in self.choices]
         self._final = self.ctx.spawn(self._finalize(producers))
 
     async def _produce(self, job: Choice) -> GenerateResult:
@@ -106,7 +106,7 @@ class RequestRun:
         if self._final is not None and self._final.done():
             return
         self.client_gone = True
-        for j in self.jobs:
+        for j in self.choices:
             try:
                 self.engine.abort(j.request.request_id)
             except EngineClosedError:
@@ -117,7 +117,7 @@ class RequestRun:
             done, pending = await asyncio.wait(producers, return_when=asyncio.FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
             if failed:
-                for j in self.jobs:  # drop the whole request: a retry must not duplicate choices
+                for j in self.choices:  # drop the whole request: a retry must not duplicate choices
                     try:
                         self.engine.abort(j.request.request_id)
                     except EngineClosedError:
@@ -129,7 +129,7 @@ class RequestRun:
                         f.exception()
                 raise self._map_error(failed[0].exception())
             served, records = [], []
-            for job, fut in zip(self.jobs, producers):
+            for job, fut in zip(self.choices, producers):
                 s, rec = self._served(job, fut.result())
                 served.append(s)
                 records.append(rec)
@@ -219,7 +219,7 @@ class RequestRun:
                 prompt_ids_per_choice=False, return_token_ids=self.req.return_token_ids,
                 logprobs=self.req.logprobs, decode_one=ctx.text.decode_one, engine_version=self.engine.version,
             )
-        prompt_tokens = sum(len(j.request.prompt_token_ids) for j in self.jobs if j.meta["choice"] == 0)
+        prompt_tokens = sum(len(j.request.prompt_token_ids) for j in self.choices if j.meta["choice"] == 0)
         return fmt.completion_response(
             rid=self.id, model=ctx.model_name, created=self.created, choices=choices, prompt_tokens=prompt_tokens,
             return_token_ids=self.req.return_token_ids, logprobs=bool(self.req.logprobs),
@@ -237,17 +237,17 @@ class RequestRun:
         streamers = {
             j.index: TextStreamer(ctx.text.decode, ctx.eos_ids | set(j.request.params.stop_token_ids),
                                   j.request.params.stop, tools=bool(self.tools))
-            for j in self.jobs
+            for j in self.choices
         }
-        offsets = {j.index: 0 for j in self.jobs}  # completions: text_offset of each choice's next token
+        offsets = {j.index: 0 for j in self.choices}  # completions: text_offset of each choice's next token
         finished = False
         try:
             if chat:
                 first = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for j in self.jobs]
-                extra = {"prompt_token_ids": list(self.jobs[0].request.prompt_token_ids)} if want_ids else {}
+                          "finish_reason": None} for j in self.choices]
+                extra = {"prompt_token_ids": list(self.choices[0].request.prompt_token_ids)} if want_ids else {}
                 yield mk(self.id, ctx.model_name, self.created, first, **extra)
-            open_ = len(self.jobs)
+            open_ = len(self.choices)
             while open_:
                 i, ev = await self._queue.get()
                 batch: dict[int, list[TokenEvent]] = {}
@@ -299,7 +299,7 @@ class RequestRun:
                     if want_ids:
                         ch["prompt_token_ids"] = list(s.result.prompt_token_ids)
                 last.append(ch)
-            prompt_tokens = sum(len(j.request.prompt_token_ids) for j in self.jobs if j.meta["choice"] == 0)
+            prompt_tokens = sum(len(j.request.prompt_token_ids) for j in self.choices if j.meta["choice"] == 0)
             usage = fmt.usage(prompt_tokens, served, sum(s.result.cached_prompt_tokens for s in served) if not chat
                               else served[0].result.cached_prompt_tokens)
             if include_usage:

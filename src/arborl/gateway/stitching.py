@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arborl.prefix import common_prefix_len
 from arborl.gateway.render import ChatRenderer, canonical, digest, tools_key
+from arborl.prefix import common_prefix_len
 
 RECENT = 16  # earlier calls a drifting prompt is compared with (token prefix), newest first
 

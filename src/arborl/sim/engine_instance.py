@@ -16,7 +16,6 @@ import math
 import time
 
 import numpy as np
-import torch
 
 from arborl.engine import LLMEngine
 from arborl.sim.instance import Admit, ChunkEnd

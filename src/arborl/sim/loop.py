@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from arborl.seeding import derive_seed
 from arborl.rollout.policies import Assignment, Batch, RequestSpec
 from arborl.rollout.timeline import Timeline
+from arborl.seeding import derive_seed
 from arborl.sim.instance import Admit, ChunkEnd, Instance
 from arborl.sim.workload import EpisodePlan, Workload
 
