@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import queue
 import signal
@@ -27,6 +28,11 @@ from arborl.datapool import (
 from arborl.types import ArborlError, Call, Episode, EpisodeStatus, InvalidRequestError
 
 WRITER = Path(__file__).parent / "helpers" / "datapool_writer.py"
+
+
+def raw(pool: DataPool):
+    """A separate plain SQLite connection to the pool's file: what any other reader of it sees."""
+    return contextlib.closing(sqlite3.connect(pool.path))
 
 
 def _load_writer():
@@ -87,13 +93,17 @@ def pool(tmp_path):
 def test_pragmas_and_schema(tmp_path):
     path = tmp_path / "sub" / "pool.sqlite"
     with DataPool(path, busy_timeout_s=2.5) as p:
-        conn = p._c()
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
-        assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2500
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        idx = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert p.setting("journal_mode") == "wal"
+        assert p.setting("foreign_keys") == 1
+        assert p.setting("synchronous") == 1  # NORMAL
+        assert p.setting("busy_timeout") == 2500
+        assert p.setting("user_version") == SCHEMA_VERSION
+        with pytest.raises(InvalidRequestError, match="unknown setting"):
+            p.setting("wal_checkpoint")
+        with raw(p) as conn:  # the file itself: WAL and the schema, whoever opens it
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+            idx = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         assert {"episodes_status", "episodes_group", "episodes_min_version", "calls_episode_seq"} <= idx
     # Reopening an existing file keeps it.
     with DataPool(path) as p:
@@ -130,16 +140,16 @@ def test_round_trip(pool):
     assert pool.get_episode(ep.episode_id, with_calls=False).calls == []
 
     # Stored compactly: 4 bytes a token, blobs, not JSON text; episode version range maintained.
-    conn = pool._c()
-    row = conn.execute(
-        "SELECT typeof(completion), length(completion), length(logprobs), length(versions), min_version, max_version "
-        "FROM calls WHERE call_id = ?",
-        (ep.calls[0].call_id,),
-    ).fetchone()
-    n = len(ep.calls[0].completion_token_ids)
-    assert tuple(row) == ("blob", 4 * n, 4 * n, 4 * n, 4, 5)
-    assert tuple(conn.execute("SELECT min_version, max_version FROM episodes").fetchone()) == (4, 5)
-    assert [r[0] for r in conn.execute("SELECT seq FROM calls ORDER BY seq")] == [0, 1, 2, 3]
+    with raw(pool) as conn:
+        row = conn.execute(
+            "SELECT typeof(completion), length(completion), length(logprobs), length(versions), min_version, max_version "
+            "FROM calls WHERE call_id = ?",
+            (ep.calls[0].call_id,),
+        ).fetchone()
+        n = len(ep.calls[0].completion_token_ids)
+        assert tuple(row) == ("blob", 4 * n, 4 * n, 4 * n, 4, 5)
+        assert tuple(conn.execute("SELECT min_version, max_version FROM episodes").fetchone()) == (4, 5)
+        assert [r[0] for r in conn.execute("SELECT seq FROM calls ORDER BY seq")] == [0, 1, 2, 3]
 
 
 def test_add_call_and_update(pool):
@@ -179,9 +189,9 @@ def test_idempotent_double_write(pool):
     ep.status = EpisodeStatus.FINISHED  # the episode row may change; its calls may not
     ep.reward = 1.0
     pool.put_episode(ep)
-    conn = pool._c()
-    assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 3
-    assert conn.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 1
+    with raw(pool) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 3
+        assert conn.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 1
     got = pool.get_episode(ep.episode_id)
     assert got.status is EpisodeStatus.FINISHED and got.reward == 1.0
     # Writing back what was read (float32-rounded logprobs) is also a no-op.
@@ -245,7 +255,8 @@ def test_bad_records_write_nothing(pool):
     with pytest.raises(InvalidRequestError, match="belongs to episode"):
         pool.put_episode(ep)
     assert pool.count_episodes() == 0
-    assert pool._c().execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 0
+    with raw(pool) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 0
 
     good = make_episode(n_calls=1)
     pool.put_episode(good)
@@ -358,8 +369,9 @@ def test_concurrent_writes_lose_nothing(tmp_path):
         got_shared = pool.calls(shared.episode_id)
         assert {c.call_id for c in got_shared} == {c.call_id for c in shared_calls}
         assert len(got_shared) == n_threads * per_thread
-        seqs = [r[0] for r in pool._c().execute(
-            "SELECT seq FROM calls WHERE episode_id = ? ORDER BY seq", (shared.episode_id,))]
+        with raw(pool) as conn:
+            seqs = [r[0] for r in conn.execute(
+                "SELECT seq FROM calls WHERE episode_id = ? ORDER BY seq", (shared.episode_id,))]
         assert seqs == list(range(n_threads * per_thread))
     # Also visible from a fresh instance.
     with DataPool(path) as again:
@@ -455,9 +467,9 @@ def test_crash_during_writes_keeps_every_committed_episode(tmp_path):
     assert len(reported) >= want_ids
 
     with DataPool(path) as pool:
-        conn = pool._c()
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        with raw(pool) as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
         for i, eid in enumerate(reported):
             assert eid == writer.episode_id(i)
             got = pool.get_episode(eid)
@@ -472,14 +484,15 @@ def test_crash_during_writes_keeps_every_committed_episode(tmp_path):
                 assert g.logprobs == w.logprobs  # the writer uses exact float32 values
         # Whatever else made it in is whole: each stored call decodes consistently, and every
         # episode's version range matches its calls (the two are updated in one transaction).
-        for ep in pool.episodes():
-            for c in ep.calls:
-                c.validate()
-            vs = [v for c in ep.calls for v in c.versions]
-            row = conn.execute(
-                "SELECT min_version, max_version FROM episodes WHERE episode_id = ?", (ep.episode_id,)
-            ).fetchone()
-            assert tuple(row) == ((min(vs), max(vs)) if vs else (None, None))
+        with raw(pool) as conn:
+            for ep in pool.episodes():
+                for c in ep.calls:
+                    c.validate()
+                vs = [v for c in ep.calls for v in c.versions]
+                row = conn.execute(
+                    "SELECT min_version, max_version FROM episodes WHERE episode_id = ?", (ep.episode_id,)
+                ).fetchone()
+                assert tuple(row) == ((min(vs), max(vs)) if vs else (None, None))
         # Still usable: a new write and read.
         fresh = make_episode(n_calls=2)
         pool.put_episode(fresh)

@@ -73,7 +73,7 @@ def test_divided_rollout_gives_the_undivided_tokens_and_logprobs(model):
     assert s["pieces"] >= 8 * 5  # ceil(30 / 7) = 5 pieces each
     assert s["migrations"] > 0 and s["transferred_tokens"] > 0
     assert s["policy_probes"] >= 2  # the probes' pieces (one probe per group) ran first
-    assert not d._live and d.policy.pending() == 0 and not d.policy.policy._reqs  # nothing left behind
+    assert not d.live_requests() and d.policy.pending() == 0 and not d.policy.known_requests()  # nothing left behind
     # the gateway path's decisions are the ones the simulator's policy makes on the same events
     fresh = make_dispatch(SchedulingConfig(dispatch="seer", chunk_tokens=7), 2)
     assert replay(d.policy.calls, fresh) == len(d.policy.calls) > 40
@@ -137,7 +137,7 @@ def test_abort_queued_and_running_requests(model):
     assert running.finish_reason == FinishReason.ABORT and 0 < len(running.token_ids) < 200
     assert queued.finish_reason == FinishReason.ABORT and queued.token_ids == []
     assert other.finish_reason == FinishReason.LENGTH and len(other.token_ids) == 5
-    assert not d._live and d.policy.pending() == 0
+    assert not d.live_requests() and d.policy.pending() == 0 and not d.policy.known_requests()
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort_resume"])
@@ -266,7 +266,7 @@ def test_an_engine_shutting_down_mid_run_loses_no_request(model, policy):
         done = [r for r in results if not isinstance(r, BaseException)]
         assert done and all(len(r.token_ids) == 40 for r in done)
         assert all(isinstance(r, EngineClosedError) for r in results if isinstance(r, BaseException))
-    assert not d._live and d.policy.pending() == 0 and not d.policy._reqs
+    assert not d.live_requests() and d.policy.pending() == 0 and not d.policy.known_requests()
 
 
 def test_transfer_from_a_closed_engine_falls_back_to_recompute(model):
@@ -303,14 +303,14 @@ def test_closing_a_stream_early_aborts_the_request(model):
                 if n == 12:
                     break
             await agen.aclose()
-            while d._live or engines[0].engine.num_running:
+            while d.live_requests() or engines[0].engine.num_running:
                 await asyncio.sleep(0.01)
             return d, engines[0].engine.stats.aborted
         finally:
             _close(engines)
 
     d, aborted = asyncio.run(run())
-    assert aborted >= 1 and not d._live and not d.policy._reqs and d.policy.pending() == 0
+    assert aborted >= 1 and not d.live_requests() and not d.policy.known_requests() and d.policy.pending() == 0
 
 
 def test_stop_strings_through_the_dispatcher_match_an_undivided_request():

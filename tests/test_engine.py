@@ -104,10 +104,10 @@ def test_weight_update_mid_request_stamps_versions_and_matches_new_policy():
     new = make_model(seed=1)
     eng = make_engine(make_model(seed=0))
     req = GenerateRequest(prompt(3, 20), greedy(12))
-    eng.add_request(req)
+    seq = eng.add_request(req)
     for _ in range(3):
         assert not eng.step()
-    before = len(eng._by_id[req.request_id].output)  # tokens made by version 0
+    before = len(seq.output)  # tokens made by version 0
     assert 0 < before < 12
     eng.update_weights(new.state_dict(), version=1)
     res = eng.run_until_done()[0]
@@ -271,10 +271,12 @@ def test_async_engine_concurrent_stream_cancel_and_update():
                 await asyncio.sleep(0.01)
                 stats = await aeng.stats()
             assert stats["running"] == 0 and stats["aborted"] >= 1
-            secs = await aeng.update_weights(make_model(seed=3).state_dict(), 7)
-            assert secs >= 0 and aeng.version == 7
+            new = make_model(seed=3)
+            await aeng.update_weights(new.state_dict(), 7)
+            assert aeng.version == 7
             after = await aeng.generate(GenerateRequest(prompt(1, 6), greedy(3)))
             assert after.versions == [7, 7, 7]
+            assert_matches_reference(new, after)  # served by the new weights, not only stamped 7
         finally:
             aeng.shutdown()
 
@@ -348,14 +350,22 @@ def test_caller_loop_closed_mid_request_does_not_kill_the_engine():
     assert aeng.closed
 
 
+def hold_engine_thread(aeng: AsyncEngine, seconds: float) -> asyncio.Future:
+    """Keep the engine's worker thread busy for ``seconds``, through the public API: a weight update
+    whose load sleeps (every call queued behind it waits)."""
+    import time
+
+    aeng.engine.update_weights = lambda state, version: time.sleep(seconds)
+    return asyncio.ensure_future(aeng.update_weights({}, aeng.version))
+
+
 def test_shutdown_fails_queued_calls_instead_of_hanging():
     import threading
-    import time
 
     aeng = AsyncEngine(make_engine())
 
     async def main():
-        aeng._command(lambda: time.sleep(0.5))  # keep the engine thread busy  # noqa: SLF001
+        hold_engine_thread(aeng, 0.5)
         await asyncio.sleep(0.1)  # the engine thread is inside the sleep now
         pending = asyncio.ensure_future(aeng.stats())
         await asyncio.sleep(0.05)
@@ -367,12 +377,10 @@ def test_shutdown_fails_queued_calls_instead_of_hanging():
 
 
 def test_request_cancelled_before_the_engine_took_it_is_aborted():
-    import time
-
     aeng = AsyncEngine(make_engine())
     try:
         async def main():
-            aeng._command(lambda: time.sleep(0.5))  # the add below waits behind this  # noqa: SLF001
+            hold_engine_thread(aeng, 0.5)  # the add below waits behind this
             await asyncio.sleep(0.1)
             task = asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(3, 6), greedy(200))))
             await asyncio.sleep(0.05)

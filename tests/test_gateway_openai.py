@@ -242,17 +242,11 @@ def test_streaming_several_choices(h):
 
 
 def test_loopback_round_trips_are_not_delayed_by_nagle(h):
-    """The listening socket is a TCP socket with TCP_NODELAY: responses written in two pieces
-    (headers, body) must not wait for the client's delayed ACK (~40 ms each)."""
+    """The listening socket is a TCP socket with TCP_NODELAY (accepted connections inherit it):
+    responses written in two pieces (headers, body) must not wait for the client's delayed ACK
+    (~40 ms each). The latency itself is measured by `arborl bench gateway`, not here."""
     import socket
-    import statistics
-    import time
 
-    sock = h.server._sock
+    sock = h.server.socket
     assert sock.proto == socket.IPPROTO_TCP and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    times = []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        assert h.http.get(h.server.url + "/health").status_code == 200
-        times.append(time.perf_counter() - t0)
-    assert statistics.median(times) < 0.030
+    assert h.http.get(h.server.url + "/health").status_code == 200

@@ -199,6 +199,12 @@ def test_smollm2_loaded_fields_and_chat(smollm2: dict[str, Any]) -> None:
     text = render_chat(tok, MESSAGES)
     assert isinstance(ids, list) and all(type(t) is int for t in ids)
     assert decode(tok, ids) == text
+    # what the product serves: the gateway's renderer gives the same text and token ids
+    from arborl.gateway.render import ChatRenderer
+
+    served = ChatRenderer(tok)
+    assert served.render(MESSAGES, None, add_generation_prompt=True) == text
+    assert served.encode(text) == ids
     assert text.endswith("<|im_start|>assistant\n")
     # same tokens as the GGUF tokenizer; SmolLM2's template ignores tools
     assert smollm2["gguf_tok"](text, add_special_tokens=False).input_ids == ids

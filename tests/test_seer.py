@@ -286,9 +286,10 @@ def test_forget_frees_finished_requests_and_idle_groups(monkeypatch):
             assert a.request_id == rid
             p.on_chunk_done(rid, 4, True, 1.0)
             p.forget(rid)
-        assert not p._reqs and sorted(p._groups) == ["g2", "g3"]  # the two most recent idle groups kept
+        assert not p.known_requests() and sorted(p.known_groups()) == ["g2", "g3"]  # the two most recent idle groups kept
         if isinstance(p, PinnedDispatch):
-            assert sorted(p._pin) == ["g2", "g3"] and p._load == [0, 0]
+            assert [g for g in ("g0", "g1", "g2", "g3") if p.instance_of(g) is not None] == ["g2", "g3"]
+            assert [p.load(i) for i in range(2)] == [0, 0]
 
 
 def test_pinned_moves_a_gone_instances_groups():

@@ -209,7 +209,12 @@ def test_oracle_reference_runs_longest_true_length_first():
     res, _ = run_variant(cfg, "sync/seer", dispatch_policy=oracle)
     assert res.figures["steps"] == 1
     first = [a.request_id for name, _, a in oracle.calls if name == "next_for" and a is not None][:cfg.sim.instances]
-    lengths = [oracle.policy._true_length(rid) for rid in first]
+    def true_length(rid: str) -> int:  # request ids are g<group>/m<member>/t<turn> (sim.loop)
+        g, m, t = rid.split("/")
+        (plan,) = [p for p in wl.group(int(g[1:])) if p.member == int(m[1:])]
+        return plan.turns[int(t[1:])].tokens
+
+    lengths = [true_length(rid) for rid in first]
     assert lengths == sorted(lengths, reverse=True)
     every = sorted((p.turns[0].tokens for g in range(cfg.sim.prompts) for p in wl.group(g)), reverse=True)
     assert lengths == every[: len(lengths)]

@@ -139,17 +139,17 @@ def test_timing_hooks_fit_installed_trl(tmp_path, tiny):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from arborl.bench.vs_trl_bench import _instrument, _trl_callback
+    from arborl.bench.vs_trl_bench import instrument, trl_callback
 
     wl = Workload(steps=1, batch_tasks=2, group_size=2, max_tokens=3)
     calls = []
-    timer = _trl_callback(lambda k, rec: calls.append((k, rec)))
+    timer = trl_callback(lambda k, rec: calls.append((k, rec)))
     args = {**trl_args(wl, str(tmp_path)), "gradient_accumulation_steps": 1}
     trainer = GRPOTrainer(model=tiny.model, reward_funcs=arith.trl_reward, args=GRPOConfig(**args),
                           train_dataset=Dataset.from_list(trl_dataset_rows(wl)), processing_class=tiny.tokenizer,
                           callbacks=[timer])
     prompt_ids, seen = {}, []
-    _instrument(trainer, timer, prompt_ids, seen)
+    instrument(trainer, timer, prompt_ids, seen)
     trainer.train()
     assert [k for k, _ in calls] == [0]
     rec = calls[0][1]

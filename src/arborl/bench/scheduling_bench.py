@@ -165,7 +165,7 @@ def _pool_runs(figs: list[dict]) -> dict:
     }
 
 
-def _migration(model, contexts: list[int], reps: int = 3) -> list[dict]:
+def measure_migration(model, contexts: list[int], reps: int = 3) -> list[dict]:
     """Continuing a request on another instance: recompute its context vs copy its KV over."""
     rows = []
     ecfg = EngineConfig(max_batch_size=1, max_seq_len=max(contexts) + 16, prefill_chunk_tokens=max(contexts) + 16)
@@ -426,7 +426,7 @@ def run(quick: bool, console: Console) -> dict:
     figures["real_gateway_piece_overhead"] = round(sec["pieces1"] / sec["whole1"] - 1, 3)
     figures["real_gateway"] = gp
 
-    mig = _migration(model, [128, 448] if quick else [64, 128, 256, 448])
+    mig = measure_migration(model, [128, 448] if quick else [64, 128, 256, 448])
     for m in mig:
         console.print(f"  migration, {m['context']} tokens of context: recompute {m['recompute_s'] * 1e3:.1f} ms, "
                       f"transfer {m['transfer_s'] * 1e3:.1f} ms")

@@ -204,7 +204,7 @@ class ArborlSide:
 
 
 # -- the TRL side ---------------------------------------------------------------------------------
-def _trl_callback(on_step: Callable[[int, dict[str, float]], None]):
+def trl_callback(on_step: Callable[[int, dict[str, float]], None]):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -238,7 +238,7 @@ def _trl_callback(on_step: Callable[[int, dict[str, float]], None]):
     return StepTimer()
 
 
-def _instrument(trainer, timer, prompt_ids: dict[str, list[int]], seen_tasks: list[list[str]]) -> None:
+def instrument(trainer, timer, prompt_ids: dict[str, list[int]], seen_tasks: list[list[str]]) -> None:
     """Time TRL's generation by wrapping its bound methods on this instance (no TRL code changed)."""
     gen_and_score = trainer._generate_and_score_completions
     generate = trainer._generate
@@ -375,12 +375,12 @@ def run(quick: bool, console: Console) -> dict:
                       f" | arborl {a['step_s']:.1f}s (generate {a['generate_s']:.1f}s)  "
                       f"reward arborl {a['reward']:.2f}")
 
-    timer = _trl_callback(between)
+    timer = trl_callback(between)
     trainer = GRPOTrainer(
         model=trl_model, reward_funcs=trl_reward, args=GRPOConfig(**trl_args(wl, f"{tmp.name}/trl")),
         train_dataset=Dataset.from_list(trl_dataset_rows(wl)), processing_class=tokenizer, callbacks=[timer],
     )
-    _instrument(trainer, timer, trl_prompt_ids, trl_tasks)
+    instrument(trainer, timer, trl_prompt_ids, trl_tasks)
     console.print(f"  both loaded in {time.perf_counter() - t_load:.0f}s; running TRL step k, then arborl step k ...")
     t_run = time.perf_counter()
     try:

@@ -289,6 +289,17 @@ class DataPool:
     def __repr__(self) -> str:
         return f"DataPool({self.path!r}{', closed' if self.closed else ''})"
 
+    _SETTINGS = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout", "user_version")
+
+    def setting(self, name: str) -> Any:
+        """The value this pool's own connection reports for the SQLite setting ``name`` (one of
+        journal_mode, synchronous, foreign_keys, busy_timeout, user_version). Read-only: for checks and
+        diagnostics (most of these are per connection, so another connection to the file cannot tell)."""
+        if name not in self._SETTINGS:
+            raise InvalidRequestError(f"unknown setting {name!r}; readable: {', '.join(self._SETTINGS)}")
+        with self._lock:
+            return self._c().execute(f"PRAGMA {name}").fetchone()[0]
+
     def _c(self) -> sqlite3.Connection:
         if self._conn is None:
             raise DataPoolError(f"data pool {self.path} is closed")

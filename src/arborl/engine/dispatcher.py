@@ -146,6 +146,11 @@ class Dispatcher:
     def version(self) -> int:
         return max(e.version for e in self.engines)
 
+    def live_requests(self) -> tuple[str, ...]:
+        """Ids of the requests submitted and not yet ended (queued, or with a piece running), in
+        submission order. Read-only."""
+        return tuple(self._live)
+
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counts.items()}
         out.update({f"policy_{k}": v for k, v in self.policy.stats().items()})

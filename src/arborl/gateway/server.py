@@ -65,6 +65,11 @@ class GatewayServer:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    @property
+    def socket(self):
+        """The listening socket (bound at construction, before the server starts)."""
+        return self._sock
+
     def start(self, timeout_s: float = 30.0) -> "GatewayServer":
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="arborl-gateway", daemon=True)

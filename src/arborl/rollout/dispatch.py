@@ -87,6 +87,16 @@ class _Dispatch(abc.ABC):
     def request(self, request_id: str) -> _Req:
         return self._reqs[request_id]
 
+    def known_requests(self) -> tuple[str, ...]:
+        """Ids of the requests this policy keeps a record of (queued, running, or ended and not yet
+        ``forget``-ten), in submission order. Read-only."""
+        return tuple(self._reqs)
+
+    def known_groups(self) -> tuple[str, ...]:
+        """Groups whose length statistics this policy keeps (with requests, or idle and not yet let
+        go). Read-only."""
+        return tuple(self._groups)
+
     def submit(self, spec: RequestSpec, now: float) -> None:
         if spec.request_id in self._reqs:
             raise ValueError(f"request {spec.request_id!r} submitted twice")
@@ -211,6 +221,10 @@ class PinnedDispatch(_Dispatch):
 
     def instance_of(self, group_id: str) -> int | None:
         return self._pin.get(group_id)
+
+    def load(self, instance: int) -> int:
+        """Outstanding (queued + running) requests pinned to ``instance``. Read-only."""
+        return self._load[instance]
 
     def _alive(self) -> list[int]:
         return [i for i in range(self.instances) if i not in self._removed]

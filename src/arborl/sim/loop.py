@@ -120,6 +120,11 @@ class RolloutDriver:
         self.wasted_tokens = 0
         self.events = 0
 
+    def finished_groups(self) -> dict[str, int]:
+        """Groups whose every episode finished (cancelled ones excluded), in start order: group id ->
+        the group's index in the workload (``workload.group(index)``). Read-only."""
+        return {g.gid: g.index for g in self._groups.values() if g.finished_at is not None and not g.cancelled}
+
     # -- event plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, kind: str, data: Any) -> None:
         self._seq += 1
