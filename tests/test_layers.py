@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "arborl"
 # bottom first; each entry is a set of top-level parts of the package (a module or a sub-package)
 LAYERS: list[set[str]] = [
     {"types", "seeding", "registry"},  # records and ground-floor helpers
-    {"config"},  # the one pydantic config tree
+    {"config", "run_config"},  # the one pydantic config tree; a run directory's own config and its changes
     {"prefix", "rollout", "rewards", "datapool", "report"},  # prefix tree, scheduling policies, reward math, storage
     {"models"},  # loading, the shared decoder forward
     {"engine", "train"},  # built-in engine + engine pool; samples, losses, packing, trainer
@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"agents"},  # white-box loops, black-box runner
     {"tasks"},  # task suites
     {"controller", "assemble", "sim", "extensions"},  # the step loop, wiring from config, the simulator
-    {"job", "serve", "cli", "bench", "docs_knobs"},  # entry points
+    {"job", "serve", "cli", "bench", "docs_knobs", "rundir", "stopping", "export", "show"},  # entry points
 ]
 
 

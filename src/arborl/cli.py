@@ -9,7 +9,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+from arborl import __version__
 from arborl.bench import BENCHMARKS, get_benchmark
 
 app = typer.Typer(
@@ -19,9 +21,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"arborl {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print arborl's version and exit"),
+) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from local files only
+
+
+def _fail(console: Console, error: BaseException, code: int = 2) -> typer.Exit:
+    """Print ``error`` in red, unwrapped (rich would break long messages mid-phrase); the Exit to raise."""
+    console.print(escape(str(error)), style="red", soft_wrap=True, highlight=False)
+    return typer.Exit(code)
 
 
 @app.command()
@@ -34,8 +51,7 @@ def bench(
     try:
         run = get_benchmark(name)
     except KeyError:
-        console.print(f"[red]unknown benchmark {name!r}[/red]; choose one of: {', '.join(BENCHMARKS)}")
-        raise typer.Exit(2) from None
+        raise _fail(console, f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}") from None
     figures = run(quick=quick, console=console)
     print(json.dumps(figures, sort_keys=True))
 
@@ -47,7 +63,8 @@ def serve(
     port: Optional[int] = typer.Option(None, "--port", help="TCP port (default: gateway.port; 0 = any free port)"),
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
-    """Start engine(s) and the OpenAI-compatible gateway, print the base URL, serve until Ctrl-C."""
+    """Start engine(s) and the OpenAI-compatible gateway, print the base URL, serve until Ctrl-C.
+    A trained policy: --set model.source=hf --set model.path=runs/NAME/checkpoint."""
     from arborl.serve import run_serve
     from arborl.types import ArborlError
 
@@ -55,47 +72,101 @@ def serve(
     try:
         run_serve(config, host, port, overrides, console)
     except (ArborlError, OSError) as e:  # bad config, model not loadable, port taken
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(console, e) from None
 
 
 @app.command()
 def train(
-    config: Optional[Path] = typer.Argument(None, help="YAML config file (default job when omitted)"),
+    config: Optional[Path] = typer.Argument(
+        None, help="YAML config file (default job when omitted); with --resume also a run directory (runs/NAME) "
+        "or a run's name"),
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
-    resume: bool = typer.Option(False, "--resume", help="continue the run in runs/<name>/ from its checkpoint"),
+    resume: bool = typer.Option(
+        False, "--resume",
+        help="continue the run (given as CONFIG: runs/NAME or NAME; or by --set name=NAME) from its checkpoint, "
+        "with its own config.yaml; --set on top changes steps, lr, evaluation, ... (recorded in config.changes.yaml)"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="delete the outputs of an earlier run of the same name, then start afresh"),
 ) -> None:
-    """Train a policy with agentic RL (default: the calculator task on SmolLM2-135M-Instruct, CPU)."""
-    from arborl.config import load_config
+    """Train a policy with agentic RL (default: the calculator task on SmolLM2-135M-Instruct, CPU).
+    Ctrl-C or SIGTERM stops after the step in flight with a checkpoint (exit status 130 / 143)."""
+    from arborl.config import ConfigError, load_config
     from arborl.job import train as run_train
+    from arborl.run_config import resume_config
+    from arborl.stopping import RunStopped
     from arborl.types import ArborlError
 
     console = Console()
     try:
-        run_train(load_config(config, overrides), resume=resume, console=console)
+        if resume:
+            cfg = resume_config(config, overrides)
+        elif config is not None and config.is_dir():
+            raise ConfigError(f"{config} is a directory: continue the run there with --resume, or pass a YAML file")
+        else:
+            cfg = load_config(config, overrides)
+        run_train(cfg, resume=resume, overwrite=overwrite, console=console)
+    except RunStopped as e:  # checkpoint saved and the way to resume printed
+        raise typer.Exit(e.exit_code) from None
     except ArborlError as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(console, e) from None
+    except KeyboardInterrupt:
+        raise _fail(console, "interrupted: stopped at once, nothing saved since the last checkpoint", 130) from None
 
 
 @app.command("eval")
 def eval_cmd(
     config: Optional[Path] = typer.Argument(None, help="YAML config file (defaults when omitted)"),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint directory to evaluate"),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint",
+        help="checkpoint directory to evaluate; runs/NAME/checkpoint is evaluated under that run's config"),
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
     """Held-out success of the configured model or of a checkpoint; prints a table and a JSON line."""
-    from arborl.config import load_config
     from arborl.job import evaluate
+    from arborl.run_config import eval_config
     from arborl.types import ArborlError
 
     console = Console(stderr=True)
     try:
-        result = evaluate(load_config(config, overrides), checkpoint, console=console)
+        result = evaluate(eval_config(config, overrides, checkpoint), checkpoint, console=console)
     except ArborlError as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(console, e) from None
     print(json.dumps(result, sort_keys=True))
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="run directory (runs/NAME) or checkpoint directory"),
+    out: Optional[Path] = typer.Option(None, "--out", help="directory to write (default: RUN_DIR/export)"),
+) -> None:
+    """Write the run's policy as a Hugging Face model directory (LoRA merged); load it with
+    from_pretrained, or train / eval / serve it with --set model.source=hf --set model.path=DIR."""
+    from arborl.export import export_run
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        dest = export_run(run_dir, out)
+    except ArborlError as e:
+        raise _fail(console, e) from None
+    print(dest)
+
+
+@app.command()
+def show(
+    run_dir: Path = typer.Argument(..., help="run directory, runs/NAME"),
+    step: Optional[int] = typer.Option(None, "--step", help="training step to show (default: the last one)"),
+    n: int = typer.Option(4, "--n", min=1, help="episodes to show"),
+) -> None:
+    """Print sample generations of a training step, decoded with the run's tokenizer, with task ids and rewards."""
+    from arborl.show import show_run
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        show_run(run_dir, step, n)
+    except ArborlError as e:
+        raise _fail(console, e) from None
 
 
 @app.command()
@@ -116,8 +187,7 @@ def simulate(
         result = run_simulation(cfg, full=full, progress=lambda v, f: console.print(
             f"  {v}: {f['time_s']:.0f} s simulated, {f['train_tokens_per_s']:.0f} trained tokens/s ({f['wall_s']:.1f} s)"))
     except (ArborlError, ValueError, SimDeadlock) as e:  # bad config, unknown policy name, stuck workload
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(console, e) from None
     print(json.dumps(result, sort_keys=True))
 
 

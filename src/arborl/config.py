@@ -6,11 +6,12 @@ generated from these models by ``python -m arborl.docs_knobs``.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arborl.types import ArborlError
 
@@ -243,17 +244,51 @@ class TrainConfig(Section):
     )
 
 
+class DataConfig(Section):
+    """The `dataset` task suite: prompts from JSONL / Parquet files, scored by your reward function."""
+
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="JSONL (.jsonl, .json) or Parquet (.parquet) files of training prompts, one row per task, read "
+        "with Hugging Face datasets (paths relative to the working directory)",
+    )
+    eval_files: list[str] = Field(
+        default_factory=list,
+        description="held-out files in the same format; evaluation takes their first rollout.eval_tasks rows "
+        "(rollout.task=dataset needs them when rollout.eval_tasks > 0)",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        description="column holding the prompt: a string (one user message) or a list of chat messages "
+        "({role, content})",
+    )
+    answer_key: str | None = Field(
+        "answer",
+        description="column passed to the reward function as `answer` (null = the data has no answer column, "
+        "the reward function gets None); every column but the prompt is also in task.metadata",
+    )
+    system_prompt: str | None = Field(
+        None, description="system message put before every prompt (None = only what the data holds)"
+    )
+    reward_function: str = Field(
+        "exact_match",
+        description="scores an episode: exact_match (1.0 when the stripped reply equals str(answer)) or a path "
+        "to your own, package.module:attr or path/to/file.py:attr, called as (task, completion, calls, answer) "
+        "-> float or dict of reward components holding \"outcome\" (reward units)",
+    )
+
+
 class RolloutConfig(Section):
     """The rollout controller: which tasks, how many per step, how episodes are sampled."""
 
     task: str = Field(
         "calculator",
-        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens; or a path to your own, package.module:attr or path/to/file.py:attr naming a "
+        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
         "factory of the rollout section",
     )
     agent: str = Field(
         "suite",
-        description="agent of every episode (registry agents.AGENTS): suite = the task suite's own agent; or a path to your own, package.module:attr or path/to/file.py:attr "
+        description="agent of every episode (registry agents.AGENTS): suite = the task suite's own agent; command = the black-box program rollout.agent_command; or a path to your own, package.module:attr or path/to/file.py:attr "
         "naming a factory (suite, sampling) -> agent loop",
     )
     steps: int = Field(10, ge=0, description="training steps (one optimiser step each)")
@@ -278,6 +313,26 @@ class RolloutConfig(Section):
     eval_temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0 = greedy)")
     eval_every: int = Field(0, ge=0, description="also evaluate every N steps (0 = only before and after)")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    max_idle_steps: int = Field(
+        5,
+        ge=0,
+        description="stop the run, with a checkpoint and an explanation, after this many consecutive steps that "
+        "trained nothing (every group zero-variance or unusable) (steps; 0 = never stop, only warn)",
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="prompt files and reward function of the dataset task suite"
+    )
+    agent_command: list[str] = Field(
+        default_factory=list,
+        description="argv of the black-box program rollout.agent=command runs once per episode, e.g. "
+        "[python, my_agent.py]; it gets OPENAI_BASE_URL / OPENAI_API_KEY of the episode's session",
+    )
+
+    @model_validator(mode="after")
+    def _command_agent(self) -> "RolloutConfig":
+        if self.agent == "command" and not self.agent_command:
+            raise ValueError("agent=command needs agent_command, the program's argv, e.g. [python, my_agent.py]")
+        return self
 
 
 class SchedulingConfig(Section):
@@ -365,7 +420,8 @@ class SimConfig(Section):
     policies: list[str] = Field(
         default_factory=lambda: ["sync/pinned", "sync/seer", "async_ratio/pinned", "windowed_fifo/pinned"],
         description="variants to compare, each consume/dispatch (names of scheduling.consume and scheduling.dispatch); "
-        "the other scheduling knobs apply to all",
+        "the other scheduling knobs apply to all; on the command line a comma-separated list: "
+        "--set sim.policies=sync/pinned,sync/seer",
     )
     prompts: int = Field(400, ge=1, description="groups per training batch (N, prompts)")
     group_size: int = Field(8, ge=1, description="episodes per group (G)")
@@ -401,6 +457,13 @@ class SimConfig(Section):
     seed: int = Field(0, description="seed of the workload's lengths and latencies")
     gantt_dir: str | None = Field(None, description="write one Gantt PNG per policy into this directory (None = none)")
 
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set sim.policies=a/b,c/d
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
 
 class Config(Section):
     """The whole run."""
@@ -425,14 +488,50 @@ class Config(Section):
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
 
+    @model_validator(mode="after")
+    def _groups_to_compare(self) -> "Config":
+        estimator = self.train.advantage.estimator
+        if self.rollout.group_size < 2 and estimator in GROUP_RELATIVE_ESTIMATORS:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: the {estimator} advantage is a reward minus its "
+                "group's mean, so a group of one episode always has advantage 0 and nothing is trained; set "
+                "rollout.group_size to 2 or more (4-16 is usual)"
+            )
+        return self
+
+
+# built-in advantage estimators that compare the episodes of a group (need rollout.group_size >= 2)
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "reward_to_go")
+
+
+def known_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every section and knob of ``model`` as a dotted key path."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys += known_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _did_you_mean(path: str) -> str:
+    keys = known_keys()
+    leaf = path.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}? " if close else ""
+
 
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = ".".join(str(p) for p in e["loc"])
         reason = e["msg"]
+        if not path:  # a check across sections: its message names the keys
+            lines.append(reason.removeprefix("Value error, "))
+            continue
         if e["type"] == "extra_forbidden":
-            reason = "unknown key (see docs/knobs.md for the valid keys)"
+            reason = f"unknown key ({_did_you_mean(path)}see docs/knobs.md for the valid keys)"
         lines.append(f"{path}: {reason} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
@@ -467,6 +566,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated as one tree."""
+    return validate_config(load_data(path, overrides))
+
+
+def validate_config(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def load_data(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The keys a YAML file and ``--set`` overrides give, unvalidated and without defaults."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -479,11 +590,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded or {}
-    apply_overrides(data, overrides or [])
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+    return apply_overrides(data, overrides or [])
 
 
 def dump_config(cfg: Config) -> str:

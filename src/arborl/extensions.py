@@ -10,12 +10,14 @@ from arborl.rewards import ADVANTAGE_ESTIMATORS
 from arborl.rollout.consume import CONSUME_POLICIES
 from arborl.rollout.dispatch import DISPATCH_POLICIES
 from arborl.tasks import TASK_SUITES
+from arborl.tasks.reward_fn import REWARD_FUNCTIONS
 from arborl.train.losses import POLICY_LOSSES
 
 # knob (dotted key path) -> the registry its value is looked up in
 REGISTRY_KNOBS: dict[str, Registry] = {
     "rollout.task": TASK_SUITES,
     "rollout.agent": AGENTS,
+    "rollout.data.reward_function": REWARD_FUNCTIONS,
     "train.loss.kind": POLICY_LOSSES,
     "train.advantage.estimator": ADVANTAGE_ESTIMATORS,
     "scheduling.consume": CONSUME_POLICIES,

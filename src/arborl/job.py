@@ -1,17 +1,24 @@
 """The training job ``arborl train`` runs, and the evaluation ``arborl eval`` runs.
 
-runs/<name>/ gets config.yaml, metrics.jsonl (one line per step and per evaluation),
-datapool.sqlite (every call of every episode), checkpoint/ (model, optimiser, step, RNG),
-summary.json and curves.png.
+runs/<name>/ gets config.yaml (written once; resumes append their changes to config.changes.yaml),
+metrics.jsonl (one line per step and per evaluation), datapool.sqlite (every call of every episode),
+checkpoint/ (a Hugging Face model directory plus optimiser, step and RNG state), summary.json and
+curves.png. Nothing is written there before the config, the extension names, the model and (on
+resume) the checkpoint have been checked.
+
+SIGINT / SIGTERM stop the run after the step in flight, with a checkpoint and the summary; the
+process then exits with 128 + the signal's number (130, 143) after printing how to resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import json
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +27,31 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from arborl.assemble import build_gateway
-from arborl.config import Config, dump_config
+from arborl.config import Config, ConfigError, dump_config
 from arborl.controller import Controller
 from arborl.extensions import check_extensions
 from arborl.models import load_model
-from arborl.report import MetricsLog, plot_curves, summary_table
+from arborl.report import (
+    MetricsLog,
+    idle_reason,
+    idle_warning,
+    plot_run,
+    plural,
+    step_line,
+    summary_table,
+)
+from arborl.report.lines import IDLE_ADVICE
+from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_changes
+from arborl.rundir import METRICS_FILE, RunDir, resume_command
+from arborl.stopping import RunStopped, StopRequest
 from arborl.tasks import make_suite
-from arborl.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
+from arborl.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
+
+
+class IdleRunError(ArborlError):
+    """The run stopped because too many steps in a row trained nothing (rollout.max_idle_steps)."""
 
 
 def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path, version: int = 0,
@@ -43,91 +66,195 @@ def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run
     return built, ctl
 
 
-def train(cfg: Config, *, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
-    console = console or Console()
-    check_extensions(cfg)
-    torch.manual_seed(cfg.seed)
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = run_dir / "checkpoint"
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    if not resume and (metrics.read() or ckpt.exists()):
-        raise ArborlError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another name")
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+def _say(console: Console, text: str, style: str | None = None) -> None:
+    """A plain line: no markup, no wrapping in the middle of a phrase."""
+    console.print(text, style=style, soft_wrap=True, markup=False, highlight=False)
 
-    console.print(f"[bold]arborl train[/bold] {cfg.name}: {cfg.rollout.task} on {cfg.model.source}, "
-                  f"{cfg.rollout.steps} steps x {cfg.rollout.batch_tasks} tasks x {cfg.rollout.group_size} episodes")
+
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
+          console: Console | None = None) -> dict[str, Any]:
+    """Train ``cfg``; ``resume`` continues runs/<name>/ from its checkpoint, ``overwrite`` deletes an
+    earlier run's outputs there first. Raises RunStopped after a signal, IdleRunError after
+    rollout.max_idle_steps steps in a row that trained nothing (both after saving a checkpoint)."""
+    console = console or Console()
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
+    check_extensions(cfg)
+    run = RunDir(cfg.run_dir, cfg.datapool)
+    changes: dict[str, tuple[Any, Any]] = {}
+    if resume:
+        run.check_resumable()
+        if (run.path / CONFIG_FILE).is_file():
+            changes = resume_changes(run.path, cfg)
+    elif not overwrite:
+        run.check_new()
+
+    r = cfg.rollout
+    torch.manual_seed(cfg.seed)
+    _say(console, f"arborl train {cfg.name}: {r.task} on {cfg.model.source}, {plural(r.steps, 'step')} x "
+                  f"{plural(r.batch_tasks, 'task')} x {plural(r.group_size, 'episode')}")
     t_start = time.perf_counter()
     loaded = load_model(cfg.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
-    trainer = Trainer(loaded.model, cfg.train, temperature=cfg.rollout.temperature)
+    trainer = Trainer(loaded.model, cfg.train, temperature=r.temperature)
     start_step, version, summary_prev = 0, 0, {}
     if resume:
-        if not ckpt.exists() and not list(run_dir.glob(".checkpoint.old-*")):
-            raise CheckpointError(f"--resume: {ckpt} does not exist")
-        extra = load_checkpoint(ckpt, trainer)
+        extra = load_checkpoint(run.checkpoint, trainer)
         start_step, summary_prev = extra["step"], extra.get("summary", {})
         version = extra.get("version", start_step)
-        metrics.truncate_after(start_step)
         serving.load_state_dict(trainer.engine_state())
-        console.print(f"resumed from {ckpt} at step {start_step}")
 
-    launched, ctl = _controller(cfg, trainer, serving, loaded, run_dir, version, start_step)
+    # every check passed: only now is the run directory written
+    if overwrite:
+        run.clear()
+    run.path.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(run.path / METRICS_FILE)
+    if not resume or not (run.path / CONFIG_FILE).exists():
+        (run.path / CONFIG_FILE).write_text(dump_config(cfg))
+        (run.path / CHANGES_FILE).unlink(missing_ok=True)
+    if resume:
+        record_changes(run.path, changes, start_step)
+        for key, (old, new) in changes.items():
+            _say(console, f"  {key}: {old} -> {new} (recorded in {CHANGES_FILE})")
+        aborted = run.abort_running_episodes()
+        if aborted:
+            _say(console, f"  marked {plural(aborted, 'episode')} left running by the stopped process as aborted "
+                          "(they are not trained)")
+        metrics.truncate_after(start_step)
+        _say(console, f"resumed from {run.checkpoint} at step {start_step}")
+        if start_step >= r.steps:
+            _say(console, f"the run has done its {plural(r.steps, 'step')}; to train further: --set rollout.steps=N")
+
+    launched, ctl = _controller(cfg, trainer, serving, loaded, run.path, version, start_step)
+    stop = StopRequest()
+
+    async def save(done: int, summary: dict[str, Any]) -> None:
+        extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
+        await asyncio.to_thread(save_checkpoint, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
+
     try:
-        summary = asyncio.run(_train_loop(cfg, ctl, trainer, metrics, start_step, summary_prev, ckpt, console))
+        summary, stopped, last = asyncio.run(
+            _train_loop(cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1))
     finally:
         launched.close()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    records = metrics.read()
-    plot_curves([r for r in records if r.get("kind") == "step"], ["reward", "success", "tool_use"],
-                run_dir / "curves.png", title=f"{cfg.name}: reward and success per step")
+    if stopped:
+        summary["stopped"] = stopped
+    (run.path / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    plot_run(metrics.read(), run.path / "curves.png", title=f"{cfg.name}: per step")
     console.print(summary_table(summary, title=f"arborl train {cfg.name}"))
-    console.print(f"outputs in {run_dir}/")
+    _say(console, f"outputs in {run.path}/")
+    done = summary["steps"]
+    if stop.requested:
+        code = 128 + (stop.signum or 0)
+        msg = (f"stopped by {stop.name} after step {done} of {r.steps}: the checkpoint (step {done}), summary.json "
+               f"and curves.png are in {run.path}/. Resume with: {resume_command(run.path)}  "
+               f"(exit status {code} = 128 + {stop.name})")
+        _say(console, msg, style="yellow")
+        raise RunStopped(msg, stop.signum or 0)
+    if stopped == "idle":
+        first = done - r.max_idle_steps + 1
+        raise IdleRunError(
+            f"stopped after {plural(r.max_idle_steps, 'step')} in a row that trained nothing (steps {first}-{done}): "
+            f"{idle_reason(last, r.group_size)}. To fix: {IDLE_ADVICE}. The checkpoint (step {done}) resumes with "
+            f"changed settings, e.g. `{resume_command(run.path)} --set rollout.temperature=1.0`; "
+            "rollout.max_idle_steps=0 never stops")
     return summary
 
 
-async def _train_loop(cfg, ctl: Controller, trainer: Trainer, metrics: MetricsLog, start_step: int,
-                      summary_prev: dict, ckpt: Path, console: Console) -> dict[str, Any]:
-    r = cfg.rollout
-    summary: dict[str, Any] = dict(summary_prev)
-    if start_step == 0 and r.eval_tasks:
-        console.print(f"evaluating the starting policy on {r.eval_tasks} held-out tasks ...")
-        ev = await ctl.evaluate(r.eval_tasks)
-        metrics.write({"kind": "eval", "step": 0, **ev})
-        summary["eval_success_before"] = ev["eval_success"]
-        console.print(f"  held-out success before RL: {ev['eval_success']:.3f}")
+@contextlib.contextmanager
+def _step_display(console: Console, total: int, start: int) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Shows each step's metrics: a live bar on a terminal, else one plain line per step (what nohup
+    and Slurm logs keep)."""
+    if not console.is_terminal:
+        yield lambda m: _say(console, step_line(m, total))
+        return
     columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("train", total=r.steps, completed=start_step, info="")
-        for step in range(start_step, r.steps):
-            m = await ctl.train_step(step)
-            metrics.write({"kind": "step", **m})
+        bar = progress.add_task("train", total=total, completed=start, info="")
+
+        def show(m: dict[str, Any]) -> None:
+            loss = m.get("loss/total")
             progress.update(bar, advance=1, info=(
                 f"reward {m['reward']:.2f}  success {m['success']:.2f}  {m['rollout_tokens_per_s']:.0f} tok/s  "
-                f"step {m['step_s']:.0f}s"))
-            last = step + 1 == r.steps
-            if r.eval_every and (step + 1) % r.eval_every == 0 and not last:
-                ev = await ctl.evaluate(r.eval_tasks)
-                metrics.write({"kind": "eval", "step": step + 1, **ev})
-            if last or (r.checkpoint_every and (step + 1) % r.checkpoint_every == 0):
-                summary["steps"] = step + 1
-                await asyncio.to_thread(save_checkpoint, ckpt, trainer, {"step": step + 1, "version": ctl.version, "summary": summary})
-    steps = [x for x in metrics.read() if x.get("kind") == "step"]
-    summary["steps"] = r.steps
-    if steps:
-        summary["reward_first_step"] = steps[0]["reward"]
-        summary["reward_last_step"] = steps[-1]["reward"]
-        summary["mean_step_s"] = round(sum(x["step_s"] for x in steps) / len(steps), 2)
-    if r.eval_tasks:
-        console.print(f"evaluating the trained policy on {r.eval_tasks} held-out tasks ...")
-        ev = await ctl.evaluate(r.eval_tasks)
-        metrics.write({"kind": "eval", "step": r.steps, **ev})
-        summary["eval_success_after"] = ev["eval_success"]
-        if "eval_success_before" in summary:
-            summary["eval_success_gain"] = round(ev["eval_success"] - summary["eval_success_before"], 4)
-    return summary
+                f"step {m['step_s']:.0f}s  loss {'-' if loss is None else f'{loss:.3g}'}"))
+
+        yield show
+
+
+async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_step: int, summary_prev: dict,
+                      save: Callable[[int, dict[str, Any]], Awaitable[None]], console: Console, stop: StopRequest,
+                      *, saved: int) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """Steps ``start_step``..rollout.steps; returns (summary, why it stopped early or None, last step's metrics)."""
+    r = cfg.rollout
+    summary: dict[str, Any] = dict(summary_prev)
+    stop.install(asyncio.get_running_loop(), lambda name: _say(
+        console, f"{name} received: stopping after the step in flight, then saving a checkpoint "
+                 f"(send {name} again to stop at once without saving)", style="yellow"))
+    stopped: str | None = None
+    done, idle, last = start_step, 0, {}
+    try:
+        if start_step == 0 and r.eval_tasks:
+            console.print(f"evaluating the starting policy on {plural(r.eval_tasks, 'held-out task')} ...")
+            ev = await ctl.evaluate(r.eval_tasks)
+            metrics.write({"kind": "eval", "step": 0, **ev})
+            summary["eval_success_before"] = ev["eval_success"]
+            console.print(f"  held-out success before RL: {ev['eval_success']:.3f}")
+        with _step_display(console, r.steps, start_step) as show:
+            for step in range(start_step, r.steps):
+                if stop.requested:
+                    break
+                last = await ctl.train_step(step)
+                metrics.write({"kind": "step", **last})
+                show(last)
+                done = step + 1
+                idle = idle + 1 if last["samples"] == 0 else 0
+                if idle:
+                    _say(console, idle_warning(last, r.group_size, idle, r.max_idle_steps), style="yellow")
+                if r.max_idle_steps and idle >= r.max_idle_steps:
+                    stopped = "idle"
+                    break
+                if r.eval_every and done % r.eval_every == 0 and done != r.steps:
+                    ev = await ctl.evaluate(r.eval_tasks)
+                    metrics.write({"kind": "eval", "step": done, **ev})
+                if done == r.steps or (r.checkpoint_every and done % r.checkpoint_every == 0):
+                    summary["steps"] = done
+                    await save(done, summary)
+                    saved = done
+        if stop.requested:  # also when it came during the last step: the final evaluation is skipped
+            stopped = stop.name
+        summary["steps"] = done
+        if stopped and saved != done:
+            await save(done, summary)
+        steps = [x for x in metrics.read() if x.get("kind") == "step"]
+        if steps:
+            summary["reward_first_step"] = steps[0]["reward"]
+            summary["reward_last_step"] = steps[-1]["reward"]
+            summary["mean_step_s"] = round(sum(x["step_s"] for x in steps) / len(steps), 2)
+        if stopped is None and r.eval_tasks:
+            console.print(f"evaluating the trained policy on {plural(r.eval_tasks, 'held-out task')} ...")
+            ev = await ctl.evaluate(r.eval_tasks)
+            metrics.write({"kind": "eval", "step": done, **ev})
+            summary["eval_success_after"] = ev["eval_success"]
+            if "eval_success_before" in summary:
+                summary["eval_success_gain"] = round(ev["eval_success"] - summary["eval_success_before"], 4)
+    finally:
+        stop.uninstall()
+        await ctl.close()
+    return summary, stopped, last
+
+
+def load_policy_weights(checkpoint: str | Path, model: torch.nn.Module, cfg: Config) -> None:
+    """A checkpoint's policy into the plain ``model``."""
+    checkpoint = Path(checkpoint)
+    if cfg.train.lora_rank > 0 and not (checkpoint / "config.json").is_file():
+        # an older arborl's LoRA checkpoint holds the peft-wrapped model: rebuild it, merge
+        trainer = Trainer(load_model(cfg.model).model, cfg.train)
+        load_model_weights(checkpoint, trainer.model)
+        model.load_state_dict(trainer.engine_state())
+    else:
+        load_model_weights(checkpoint, model)
 
 
 def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | None = None) -> dict[str, Any]:
@@ -137,12 +264,7 @@ def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | N
     loaded = load_model(cfg.model)
     model = loaded.model
     if checkpoint is not None:
-        if cfg.train.lora_rank > 0:  # the checkpoint holds the peft-wrapped model: rebuild it, merge
-            trainer = Trainer(load_model(cfg.model).model, cfg.train)
-            load_model_weights(checkpoint, trainer.model)
-            model.load_state_dict(trainer.engine_state())
-        else:
-            load_model_weights(checkpoint, model)
+        load_policy_weights(checkpoint, model, cfg)
     run_dir = cfg.run_dir / "eval"
     launched, ctl = _controller(cfg, None, model, loaded, run_dir)
     try:

@@ -1,7 +1,9 @@
 """``arborl serve [CONFIG] [--host H] [--port N] [--set k=v ...]``: model, engines, data pool and the
 gateway in the foreground. The first line on stdout is the base URL (``http://HOST:PORT/v1``);
 everything else goes to stderr. Ctrl-C (or SIGTERM) stops it gracefully: requests in flight finish
-and are recorded, then engines and the data pool close.
+and are recorded, then engines and the data pool close. The config goes to runs/<name>/config.yaml
+(serve.config.yaml when that run directory already has a config). A trained policy is served with
+``--set model.source=hf --set model.path=runs/<name>/checkpoint``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ def run_serve(config: Path | None, host: str | None, port: int | None, overrides
     host = host or cfg.gateway.host
     port = cfg.gateway.port if port is None else port
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
     sock = bind(host, port)  # fail fast, before loading the model, when the port is taken
     console.print(f"loading {cfg.model.source} model and {cfg.gateway.num_engines} engine(s) ...")
     try:
@@ -32,6 +32,9 @@ def run_serve(config: Path | None, host: str | None, port: int | None, overrides
     except BaseException:
         sock.close()
         raise
+    # written once the model has loaded; a training run's own config.yaml is never replaced
+    config_file = run_dir / "config.yaml"
+    (config_file if not config_file.exists() else run_dir / "serve.config.yaml").write_text(dump_config(cfg))
     gw = launched.gateway
     key_given = bool(os.environ.get("ARBORL_ADMIN_KEY") or cfg.gateway.admin_key)
 

@@ -13,6 +13,10 @@ SIGKILL after ``kill_grace_s``; when the main process exits, whatever it left ru
 is killed too. stdout and stderr are kept (the last ``max_output_bytes`` of each) in the result, in
 ``episode.meta["blackbox"]`` (last 8 KiB) and, with ``log_dir``, in full files. The session ends
 finished (exit 0), failed (other exit) or aborted (timeout), unless the agent finished it itself.
+
+``BlackBoxRunner.attach(command, task, info)`` runs the program in a session opened by someone else
+(``run_agent`` for the ``command`` agent, ``agents/command.py``) and leaves finishing it to them;
+``env`` adds variables (the ``command`` agent passes the run's sampling parameters).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from arborl.gateway.core import Gateway
+from arborl.gateway.core import Gateway, SessionInfo
 from arborl.types import EpisodeStatus, Task
 
 _META_TAIL = 8192
@@ -118,6 +122,24 @@ class BlackBoxRunner:
         """Run one episode of ``command`` (argv list, or a shell string) on ``task``."""
         info = await self.gateway.create_session(task_id=task.task_id, group_id=group_id, agent_kind="blackbox",
                                                  stitching=stitching)
+        return await self._in_session(command, task, info, cwd=cwd, env=env, timeout_s=timeout_s, finish=True)
+
+    async def attach(
+        self,
+        command: Sequence[str] | str,
+        task: Task,
+        info: SessionInfo,
+        *,
+        cwd: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> BlackBoxResult:
+        """Run ``command`` on ``task`` in the open session ``info`` without finishing it; the result's
+        status is what the session should end with (or how the program itself ended it)."""
+        return await self._in_session(command, task, info, cwd=cwd, env=env, timeout_s=timeout_s, finish=False)
+
+    async def _in_session(self, command, task: Task, info: SessionInfo, *, cwd, env, timeout_s,
+                          finish: bool) -> BlackBoxResult:
         sid = info.session_id
         full_env = {**os.environ, **(env or {})}
         full_env.update(
@@ -143,12 +165,12 @@ class BlackBoxRunner:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             paths = (self.log_dir / f"{sid}.stdout", self.log_dir / f"{sid}.stderr")
         try:
-            return await self._run(command, info, full_env, cwd, paths, timeout_s)
+            return await self._run(command, info, full_env, cwd, paths, timeout_s, finish)
         finally:
             if task_file:
                 os.unlink(task_file)
 
-    async def _run(self, command, info, full_env, cwd, paths, timeout_s) -> BlackBoxResult:
+    async def _run(self, command, info, full_env, cwd, paths, timeout_s, finish: bool) -> BlackBoxResult:
         sid = info.session_id
         out, err = _Tail(self.max_output_bytes, paths[0]), _Tail(self.max_output_bytes, paths[1])
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -164,7 +186,8 @@ class BlackBoxRunner:
             out.close()
             err.close()
             await self.gateway.set_meta(info.session, blackbox={"command": _shown(command), "error": str(e)})
-            await self.gateway.finish(info.session, EpisodeStatus.FAILED)
+            if finish:
+                await self.gateway.finish(info.session, EpisodeStatus.FAILED)
             return BlackBoxResult(sid, EpisodeStatus.FAILED, None, False, "", f"cannot start {_shown(command)}: {e}", 0.0)
         pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err))
         timed_out = False
@@ -196,9 +219,11 @@ class BlackBoxRunner:
             "stdout_tail": out.text(_META_TAIL), "stderr_tail": err.text(_META_TAIL),
             "log_files": [str(p) for p in paths if p],
         })
-        if not info.session.finished:  # the agent may have finished (and chosen the status) itself
+        if finish and not info.session.finished:  # the agent may have finished (and chosen the status) itself
             await self.gateway.finish(info.session, status)
-        return BlackBoxResult(sid, info.session.episode.status, code, timed_out, out.text(), err.text(), duration)
+        if info.session.finished:
+            status = info.session.episode.status
+        return BlackBoxResult(sid, status, code, timed_out, out.text(), err.text(), duration)
 
 
 def _shown(command: Sequence[str] | str) -> str:

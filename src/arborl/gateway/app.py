@@ -10,6 +10,8 @@ Routes (``Authorization: Bearer <key>``):
   ``POST /v1/sessions/{id}/finish`` (``{status?}``), ``GET /v1/sessions/{id}/trajectory`` -- that
   session's key only.
 * ``GET /health`` -- no key.
+* ``GET /openapi.json`` (the OpenAPI schema, request bodies included), ``GET /docs`` (Swagger UI; it
+  loads its scripts from a CDN) -- no key.
 
 Errors are OpenAI's JSON body with a message that says what to fix. A client that disconnects
 while its request runs (streaming or not) aborts the engine requests; the partial calls are
@@ -24,13 +26,23 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arborl.gateway.core import Gateway, RequestRun
 from arborl.gateway.errors import BadRequestError, GatewayError, NotFoundError
-from arborl.gateway.protocol import FinishPost, RewardPost, SessionCreate, parse, parse_json
+from arborl.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FinishPost,
+    RewardPost,
+    SessionCreate,
+    parse,
+    parse_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,30 @@ def _key(request: Request) -> str | None:
 
 async def _body(request: Request) -> Any:
     return parse_json(await request.body())
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _body_doc(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` documenting a route's JSON body by its protocol model (the route parses the
+    body itself, with the gateway's own error messages)."""
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.get("$defs", {}))
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+# documents the Authorization header in the OpenAPI schema (the "Authorize" button of /docs); the
+# routes check the key themselves, so a missing or wrong key keeps its OpenAI-shaped 401
+_bearer = [Depends(HTTPBearer(auto_error=False, description="an admin key or a session key"))]
 
 
 class _RunResponse(Response):
@@ -110,7 +146,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         yield
         await gateway.drain()  # record what is still in flight before the loop ends
 
-    app = FastAPI(title="arborl gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="arborl gateway", description="OpenAI-compatible chat / completions and sessions that record "
+                  "every call for training (docs/gateway.md)", lifespan=lifespan)
     app.state.gateway = gateway
     gw = gateway
 
@@ -121,7 +158,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
-            err: GatewayError = NotFoundError(f"no route {request.method} {request.url.path}: see /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions")
+            err: GatewayError = NotFoundError(f"no route {request.method} {request.url.path}: see /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions, or /docs")
         else:
             err = BadRequestError(f"{request.method} {request.url.path}: {e.detail}")
             err.status = e.status_code
@@ -142,28 +179,28 @@ def create_app(gateway: Gateway) -> FastAPI:
         if not gw.sessions.is_admin(key):
             gw.sessions.by_key(key)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=_bearer)
     async def models(request: Request) -> dict:
         _any_key(request)
         return gw.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=_bearer)
     async def model(model_id: str, request: Request) -> dict:
         _any_key(request)
         gw.check_model(model_id)
         return gw.model_card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=_bearer, openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat(request: Request):
         session = gw.sessions.by_key(_key(request))
         return _RunResponse(gw.start_chat(session, await _body(request)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=_bearer, openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request):
         session = gw.sessions.by_key(_key(request))
         return _RunResponse(gw.start_completion(session, await _body(request)))
 
-    @app.post("/v1/sessions")
+    @app.post("/v1/sessions", dependencies=_bearer, openapi_extra=_body_doc(SessionCreate, required=False))
     async def create_session(request: Request) -> dict:
         gw.sessions.check_admin(_key(request))
         raw = await request.body()
@@ -180,27 +217,28 @@ def create_app(gateway: Gateway) -> FastAPI:
             "stitching": info.session.stitching,
         }
 
-    @app.get("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id}", dependencies=_bearer)
     async def session_info(session_id: str, request: Request) -> dict:
         s = gw.sessions.for_path(_key(request), session_id)
         ep = s.episode
         return {"session_id": s.session_id, "task_id": ep.task_id, "group_id": ep.group_id,
                 "status": ep.status.value, "calls": s.calls, "stitching": s.stitching}
 
-    @app.post("/v1/sessions/{session_id}/reward")
+    @app.post("/v1/sessions/{session_id}/reward", dependencies=_bearer, openapi_extra=_body_doc(RewardPost))
     async def reward(session_id: str, request: Request) -> dict:
         s = gw.sessions.for_path(_key(request), session_id)
         spec = parse(RewardPost, await _body(request))
         return await gw.add_reward(s, spec.value, name=spec.name, call_id=spec.call_id)
 
-    @app.post("/v1/sessions/{session_id}/finish")
+    @app.post("/v1/sessions/{session_id}/finish", dependencies=_bearer,
+              openapi_extra=_body_doc(FinishPost, required=False))
     async def finish(session_id: str, request: Request) -> dict:
         s = gw.sessions.for_path(_key(request), session_id)
         raw = await request.body()
         spec = parse(FinishPost, parse_json(raw) if raw.strip() else {})
         return await gw.finish(s, spec.status)
 
-    @app.get("/v1/sessions/{session_id}/trajectory")
+    @app.get("/v1/sessions/{session_id}/trajectory", dependencies=_bearer)
     async def trajectory(session_id: str, request: Request) -> dict:
         s = gw.sessions.for_path(_key(request), session_id)
         return await gw.trajectory(s)

@@ -134,14 +134,39 @@ class FinishPost(_Body):
     status: Literal["finished", "failed", "aborted"] = "finished"
 
 
+MAX_JSON_DEPTH = 64  # nesting levels of arrays / objects a request body may have
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays / objects more than ``limit`` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def parse_json(raw: bytes) -> Any:
+    """The decoded request body; a BadRequestError when it is empty, not JSON, or nested more than
+    ``MAX_JSON_DEPTH`` levels (deeper bodies would exhaust the recursion of later stages)."""
     if not raw.strip():
         raise BadRequestError("the request body is empty: send a JSON object")
+    too_deep = BadRequestError(f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} levels deep")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
         raise BadRequestError(f"the request body is not valid JSON{where}: {e}") from None
+    except RecursionError:  # the decoder's own limit, far above MAX_JSON_DEPTH
+        raise too_deep from None
+    if (raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH) and _too_deep(value, MAX_JSON_DEPTH):
+        raise too_deep
+    return value
 
 
 def parse(model: type[T], body: Any) -> T:

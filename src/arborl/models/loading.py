@@ -9,6 +9,7 @@ HF directory ``<cache_dir>/SmolLM2-135M-Instruct`` (written to a temp dir, then 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -17,11 +18,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from arborl.config import ModelConfig
+from arborl.models.hf_dir import has_tokenizer
 from arborl.types import ArborlError
 
 if TYPE_CHECKING:
@@ -222,13 +224,32 @@ def _eos_ids(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase | Non
     return list(dict.fromkeys(int(i) for i in ids))
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' "Loading weights" / "Writing model shards" bars off: they would interleave with
+    arborl's own output."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
+    """The model in ``path`` and its tokenizer (None when the directory holds no tokenizer files: a
+    token-ids-only model such as an exported tiny one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load a causal LM from {path}: {e}") from e
+    if not has_tokenizer(path):
+        return model, None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001
@@ -236,7 +257,32 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple["PreTrainedModel", "Pr
     return model, tokenizer
 
 
+def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase | None":
+    """The tokenizer of the model ``cfg`` names, without loading weights (None: token ids only)."""
+    from transformers import AutoTokenizer
+
+    if cfg.source == "hf":
+        path = Path(cfg.path or "").expanduser()
+        if not cfg.path or not has_tokenizer(path):
+            return None
+    elif cfg.source == "tiny" and cfg.tiny_tokenizer == "none":
+        return None
+    else:
+        with _no_progress_bars():
+            path = ensure_smollm2_dir(cfg.cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"the tokenizer in {path} could not be loaded: {e}") from e
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Load the model ``cfg`` names (see :func:`_load_model`), without transformers' progress bars."""
+    with _no_progress_bars():
+        return _load_model(cfg)
+
+
+def _load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the model ``cfg`` names, in eval mode on ``cfg.device`` / ``cfg.dtype``.
 
     * ``smollm2``: SmolLM2-135M-Instruct from ``<cache_dir>/SmolLM2-135M-Instruct``, converted

@@ -1,12 +1,12 @@
 """Metrics of a run: one JSON object per line (appended and flushed, so a crash keeps every
-finished step), a PNG of the curves, and a rich summary table."""
+finished step), and a rich summary table (the curves are in curves.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rich.table import Table
 
@@ -30,32 +30,6 @@ class MetricsLog:
         """Drop records of steps after ``step`` (a resumed run redoes them)."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-
-
-def plot_curves(records: list[dict[str, Any]], keys: Iterable[str], path: str | Path, title: str = "") -> Path:
-    """One panel per key against ``step`` (records without the key are skipped)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = list(keys)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        pts = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", ms=3)
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:

@@ -4,7 +4,7 @@ Each *span* is one assignment of a request to an engine instance (one chunk unde
 rollout, the whole request otherwise): [start, end) on ``instance``, ``tokens`` new tokens, and
 why it ended (``chunk``: comes back for more, ``finish``: done, ``cancel``: aborted). The simulator
 and the real controllers record into the same class; ``gantt`` draws one row per request, grouped
-by the instance of its first span, coloured by instance, probes outlined.
+by the instance of its first span, coloured by instance, probes marked, with a legend.
 """
 
 from __future__ import annotations
@@ -77,10 +77,22 @@ class Timeline:
     def gantt(self, path: str | Path, *, title: str = "rollout timeline", step: int | None = None,
               max_rows: int = 4000) -> Path:
         """One row per request (grouped by instance), a bar per span; ``step`` keeps one trainer step."""
+        import matplotlib.pyplot as plt
+
+        fig = self.gantt_figure(title=title, step=step, max_rows=max_rows)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def gantt_figure(self, *, title: str = "rollout timeline", step: int | None = None, max_rows: int = 4000):
+        """The matplotlib figure :meth:`gantt` saves."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
 
         spans = [s for s in self.spans if step is None or s.step == step]
         first: dict[str, Span] = {}
@@ -103,13 +115,22 @@ class Timeline:
         for e in self.events:
             if e["kind"] in ("train", "publish") and (step is None or e.get("step") == step):
                 ax.axvline(e["t"], color="red" if e["kind"] == "publish" else "orange", linewidth=0.6, alpha=0.6)
+        shown = sorted({s.instance for s in spans})
+        handles = [Line2D([], [], color=cmap(i % 20), lw=3, label=f"engine instance {i}") for i in shown[:8]]
+        if len(shown) > 8:
+            handles.append(Line2D([], [], color="none", label=f"... {len(shown) - 8} more instances"))
+        marks = {e["kind"] for e in self.events if step is None or e.get("step") == step}
+        extra = [
+            (any(s.ended == "cancel" for s in spans), Line2D([], [], color="#999999", lw=3, label="cancelled / aborted")),
+            (any(s.probe for s in spans), Line2D([], [], color="black", marker="|", lw=0, label="probe request")),
+            ("train" in marks, Line2D([], [], color="orange", lw=1, label="trainer step")),
+            ("publish" in marks, Line2D([], [], color="red", lw=1, label="weights published")),
+        ]
+        handles += [h for present, h in extra if present]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         ax.set_xlabel("time (s)")
         ax.set_ylabel(f"requests ({len(order)}), grouped by instance ({n_inst})")
         ax.set_title(title)
         ax.invert_yaxis()
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+        return fig

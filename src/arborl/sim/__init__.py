@@ -11,17 +11,18 @@ import math
 import time
 from pathlib import Path
 
-from arborl.config import Config, SchedulingConfig, SimConfig
-from arborl.rollout.consume import make_consume
+from arborl.config import Config, ConfigError, SchedulingConfig, SimConfig
+from arborl.registry import RegistryError
+from arborl.rollout.consume import CONSUME_POLICIES, make_consume
+from arborl.rollout.dispatch import DISPATCH_POLICIES, make_dispatch
 from arborl.rollout.policies import Traced
-from arborl.rollout.dispatch import make_dispatch
 from arborl.rollout.timeline import Timeline
 from arborl.sim.cost import CostModel
 from arborl.sim.instance import SimInstance
 from arborl.sim.loop import RolloutDriver, RunResult, SimDeadlock
 from arborl.sim.workload import Workload
 
-__all__ = ["CostModel", "RolloutDriver", "RunResult", "SimDeadlock", "SimInstance", "Workload", "build_policies",
+__all__ = ["CostModel", "RolloutDriver", "RunResult", "SimDeadlock", "SimInstance", "Workload", "build_policies", "check_variants",
            "cost_model", "run_variant", "simulate", "workload"]
 
 
@@ -86,8 +87,20 @@ _HEADLINE = ("time_s", "step_s", "rollout_tokens_per_s", "train_tokens_per_s", "
              "transfer_tokens", "wall_s")
 
 
+def check_variants(variants: list[str]) -> None:
+    """ConfigError naming sim.policies unless every variant is consume/dispatch of known policies."""
+    for variant in variants:
+        try:
+            consume, dispatch = parse_variant(variant)
+            CONSUME_POLICIES.get(consume)
+            DISPATCH_POLICIES.get(dispatch)
+        except (ValueError, RegistryError) as e:
+            raise ConfigError(f"sim.policies: {e}") from None
+
+
 def simulate(cfg: Config, *, full: bool = False, progress=None) -> dict:
     """Every variant of ``cfg.sim.policies`` on one workload: per-policy figures and ratios."""
+    check_variants(cfg.sim.policies)  # a typo in the last variant fails now, not after simulating the others
     out: dict = {"workload": {k: v for k, v in cfg.sim.model_dump().items() if k not in ("policies", "gantt_dir")},
                  "scheduling": cfg.scheduling.model_dump(), "policies": {}}
     gdir = Path(cfg.sim.gantt_dir) if cfg.sim.gantt_dir else None

@@ -1,9 +1,12 @@
-"""Task suites, by name (``rollout.task``): the built-in ``calculator``, ``arith`` and ``even_tokens``,
-or a user's own as ``package.module:attr`` / ``path/to/file.py:attr``.
+"""Task suites, by name (``rollout.task``): the built-in ``calculator``, ``arith``, ``even_tokens`` and
+``dataset`` (prompts from files, ``rollout.data``), or a user's own as ``package.module:attr`` /
+``path/to/file.py:attr``.
 
 A registry entry is a factory ``(rollout: RolloutConfig) -> TaskSuite`` (a suite class whose
 constructor takes the rollout section works too); the ``TaskSuite`` protocol (``tasks/base.py``) is
 three methods: ``tasks(split, n, seed)``, ``agent(sampling)`` and ``score(task, outcome, calls)``.
+``make_suite`` returns the suite wrapped with the rollout section (``ConfiguredSuite``), so agent
+factories can read their knobs from ``suite.rollout``.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from typing import TYPE_CHECKING
 
 from arborl.registry import Registry
 from arborl.tasks.arith import ArithSuite
-from arborl.tasks.base import SuiteFactory, TaskSuite
+from arborl.tasks.base import ConfiguredSuite, SuiteFactory, TaskSuite
 from arborl.tasks.calculator import CalculatorSuite
+from arborl.tasks.data_files import DatasetError
+from arborl.tasks.dataset import DatasetSuite
+from arborl.tasks.reward_fn import REWARD_FUNCTIONS, RewardFunction, RewardFunctionError
 from arborl.tasks.toy import EvenTokensSuite
 
 if TYPE_CHECKING:
@@ -37,9 +43,25 @@ def _even_tokens(rollout: "RolloutConfig") -> EvenTokensSuite:
     return EvenTokensSuite()
 
 
-def make_suite(rollout: "RolloutConfig") -> TaskSuite:
-    """The task suite ``rollout.task`` names, built from the rollout section."""
-    return TASK_SUITES.get(rollout.task)(rollout)
+@TASK_SUITES.register("dataset")
+def _dataset(rollout: "RolloutConfig") -> DatasetSuite:
+    return DatasetSuite(rollout.data, max_turns=rollout.max_turns, eval_tasks=rollout.eval_tasks)
 
 
-__all__ = ["TASK_SUITES", "SuiteFactory", "TaskSuite", "make_suite"]
+def make_suite(rollout: "RolloutConfig") -> ConfiguredSuite:
+    """The task suite ``rollout.task`` names, built from the rollout section (and carrying it)."""
+    return ConfiguredSuite(TASK_SUITES.get(rollout.task)(rollout), rollout)
+
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "TASK_SUITES",
+    "ConfiguredSuite",
+    "DatasetError",
+    "DatasetSuite",
+    "RewardFunction",
+    "RewardFunctionError",
+    "SuiteFactory",
+    "TaskSuite",
+    "make_suite",
+]

@@ -28,3 +28,32 @@ class SuiteFactory(Protocol):
     """What ``rollout.task`` names: the rollout section -> a task suite."""
 
     def __call__(self, rollout: "RolloutConfig") -> TaskSuite: ...
+
+
+class ConfiguredSuite:
+    """A task suite together with the rollout section it was built from (what ``make_suite`` returns).
+
+    It serves the protocol by delegating to ``suite`` (other attributes too), and gives agent
+    factories, which receive the run's suite, the knobs they read: ``suite.rollout``."""
+
+    def __init__(self, suite: TaskSuite, rollout: "RolloutConfig") -> None:
+        self.suite = suite
+        self.rollout = rollout
+
+    @property
+    def name(self) -> str:
+        return self.suite.name
+
+    def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
+        return self.suite.tasks(split, n, seed)
+
+    def agent(self, sampling: dict[str, Any]) -> AgentLoop:
+        return self.suite.agent(sampling)
+
+    def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
+        return self.suite.score(task, outcome, calls)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in ("suite", "rollout"):  # not set yet (copy, pickle): never recurse
+            raise AttributeError(attr)
+        return getattr(self.suite, attr)

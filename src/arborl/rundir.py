@@ -1,0 +1,103 @@
+"""What a run directory holds, the checks before a run starts or resumes in it, and the clean-up a
+resume does after a process that died (episodes it left ``running`` are marked aborted)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from pathlib import Path
+
+from arborl.config import DataPoolConfig
+from arborl.datapool import DataPool
+from arborl.report import plural
+from arborl.run_config import CHANGES_FILE, CONFIG_FILE
+from arborl.train.checkpoint import has_checkpoint
+from arborl.types import ArborlError, EpisodeStatus
+
+METRICS_FILE = "metrics.jsonl"
+# what a run writes; --overwrite deletes these and nothing else
+OUTPUTS = (CONFIG_FILE, CHANGES_FILE, "serve.config.yaml", METRICS_FILE, "summary.json", "curves.png", "checkpoint",
+           "timeline", "eval")
+
+
+class RunExistsError(ArborlError):
+    """A new run was started in a directory that already holds one."""
+
+
+class NothingToResumeError(ArborlError):
+    """--resume names a run without a checkpoint."""
+
+
+def resume_command(run_dir: str | Path) -> str:
+    return f"arborl train --resume {shlex.quote(str(run_dir))}"
+
+
+class RunDir:
+    def __init__(self, path: str | Path, datapool: DataPoolConfig) -> None:
+        self.path = Path(path)
+        self.datapool = datapool
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / "checkpoint"
+
+    @property
+    def datapool_file(self) -> Path:
+        return self.path / self.datapool.filename
+
+    def has_checkpoint(self) -> bool:
+        return has_checkpoint(self.checkpoint)
+
+    def logged_steps(self) -> int:
+        f = self.path / METRICS_FILE
+        if not f.is_file():
+            return 0
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        return max((r.get("step", 0) for r in rows if r.get("kind") == "step"), default=0)
+
+    def holds_run(self) -> bool:
+        return self.has_checkpoint() or self.logged_steps() > 0 or self.datapool_file.exists()
+
+    def check_new(self) -> None:
+        """RunExistsError when a new run would mix its outputs with an earlier one's."""
+        if not self.holds_run():
+            return
+        logged = f"{plural(self.logged_steps(), 'step')} logged"
+        if self.has_checkpoint():
+            raise RunExistsError(
+                f"{self.path} already holds a run ({logged}): continue it with `{resume_command(self.path)}`, "
+                "start it again from scratch with --overwrite (deletes its outputs), or choose another name (--set name=...)")
+        raise RunExistsError(
+            f"{self.path} already holds a run without a checkpoint ({logged}): start it again with --overwrite "
+            "(deletes its outputs), or choose another name (--set name=...)")
+
+    def check_resumable(self) -> None:
+        if not self.path.is_dir():
+            raise NothingToResumeError(f"nothing to resume: {self.path} does not exist (start the run without --resume)")
+        if not self.has_checkpoint():
+            raise NothingToResumeError(
+                f"{self.path} has no checkpoint to resume from ({plural(self.logged_steps(), 'step')} logged; the run stopped "
+                "before saving one): start it again by running the same command with --overwrite instead of --resume")
+
+    def clear(self) -> None:
+        """Delete the outputs of an earlier run (only the files arborl writes)."""
+        pool = self.datapool_file
+        names = [*OUTPUTS, pool.name, pool.name + "-wal", pool.name + "-shm"]
+        for p in [self.path / n for n in names] + list(self.path.glob(".checkpoint.*")):
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+
+    def abort_running_episodes(self) -> int:
+        """Mark episodes a dead process left ``running`` as aborted (they are never trained); returns how many."""
+        if not self.datapool_file.is_file():
+            return 0
+        with DataPool.from_config(self.path, self.datapool) as pool:
+            stale = pool.episodes(status=EpisodeStatus.RUNNING, with_calls=False)
+            for e in stale:
+                pool.update_episode(e.episode_id, status=EpisodeStatus.ABORTED, finished_at=time.time(),
+                                    meta={**e.meta, "aborted": "left running by a process that stopped"})
+        return len(stale)

@@ -1,0 +1,159 @@
+"""A run's life as a user lives it: resume reads the run's own config (changes recorded, config.yaml
+never rewritten, a model change refused in one line), a failed start writes nothing, a run without a
+checkpoint restarts with --overwrite, SIGTERM saves and tells how to resume (real subprocess, real
+signal), and after a kill -9 the resume marks the episodes left running as aborted."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from helpers.tiny_run import ENV, arborl_cmd, overrides, set_args, tiny_cfg
+from rich.console import Console
+from typer.testing import CliRunner
+
+from arborl.cli import app
+from arborl.config import dump_config
+from arborl.datapool import DataPool
+from arborl.job import train
+from arborl.run_config import resume_config
+from arborl.types import EpisodeStatus
+
+STEP_LINE = r"^step (\d+)/{total}  reward [\d.]+  success [\d.]+  \d+ tok/s  step [\d.]+s  loss \S+$"
+
+
+def _steps(run: Path) -> list[int]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["kind"] == "step"]
+
+
+def _checkpoint_step(run: Path) -> int:
+    return torch.load(run / "checkpoint" / "trainer.pt", weights_only=False)["extra"]["step"]
+
+
+def test_resume_reads_the_runs_own_config_and_refuses_another_model(tmp_path):
+    runner = CliRunner()
+    first = runner.invoke(app, ["train", *set_args(overrides(tmp_path, "r", "rollout.steps=1"))])
+    assert first.exit_code == 0, first.output
+    assert re.search(STEP_LINE.format(total=1), first.output, re.M), first.output  # not a terminal: plain lines
+    assert "1 step x 4 tasks x 4 episodes" in first.output
+    run = tmp_path / "r"
+    config = (run / "config.yaml").read_bytes()
+
+    # the run directory and the one knob that changes: model, task, lr, ... come from the run's config.yaml
+    more = runner.invoke(app, ["train", "--resume", str(run), "--set", "rollout.steps=2"])
+    assert more.exit_code == 0, more.output
+    assert "resumed from" in more.output and "rollout.steps: 1 -> 2" in more.output
+    assert _steps(run) == [1, 2] and _checkpoint_step(run) == 2
+    assert (run / "config.yaml").read_bytes() == config
+    (record,) = yaml.safe_load((run / "config.changes.yaml").read_text())
+    assert record["at_step"] == 1 and record["changes"] == {"rollout.steps": {"from": 1, "to": 2}}
+
+    # by name (runs_dir only because the test's runs are not under ./runs): the recorded change holds
+    for by_name in (["r", "--set", f"runs_dir={tmp_path}"], ["--set", f"runs_dir={tmp_path}", "--set", "name=r"]):
+        again = runner.invoke(app, ["train", "--resume", *by_name])
+        assert again.exit_code == 0, again.output
+        assert "has done its 2 steps" in again.output and _steps(run) == [1, 2]
+
+    changes = (run / "config.changes.yaml").read_bytes()
+    bad = runner.invoke(app, ["train", "--resume", str(run), "--set", "model.tiny_hidden=64"])
+    assert bad.exit_code == 2
+    (line,) = bad.output.strip().splitlines()
+    assert f"cannot resume {run} with model.tiny_hidden=64: the run has model.tiny_hidden=32" in line
+    assert (run / "config.yaml").read_bytes() == config and (run / "config.changes.yaml").read_bytes() == changes
+
+
+def test_a_failed_start_writes_nothing_and_a_run_without_checkpoint_restarts_with_overwrite(tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(app, ["train", *set_args(overrides(tmp_path, "nomodel", "model.source=hf",
+                                                                "model.path=/nonexistent"))])
+    assert missing.exit_code == 2 and "model.path /nonexistent is not a directory" in missing.output
+    assert not (tmp_path / "nomodel").exists()
+
+    # what a run killed before its first checkpoint leaves: its config, a logged step, its data pool
+    run = tmp_path / "early"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(tiny_cfg(tmp_path, "early", "rollout.steps=1")))
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "step", "step": 1, "reward": 0.5}) + "\n")
+    DataPool(run / "datapool.sqlite").close()
+    resumed = runner.invoke(app, ["train", "--resume", str(run)])
+    assert resumed.exit_code == 2 and "has no checkpoint to resume from" in resumed.output
+    assert "--overwrite instead of --resume" in resumed.output
+    as_file = runner.invoke(app, ["train", str(run)])
+    assert as_file.exit_code == 2 and "is a directory: continue the run there with --resume" in as_file.output
+    again = runner.invoke(app, ["train", *set_args(overrides(tmp_path, "early", "rollout.steps=1"))])
+    assert again.exit_code == 2 and "without a checkpoint" in again.output and "--overwrite" in again.output
+    fresh = runner.invoke(app, ["train", "--overwrite", *set_args(overrides(tmp_path, "early", "rollout.steps=1"))])
+    assert fresh.exit_code == 0, fresh.output
+    assert _steps(run) == [1] and json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["reward"] != 0.5
+    assert _checkpoint_step(run) == 1
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path):
+    run = tmp_path / "sig"
+    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "sig", "rollout.steps=4")))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.time() + 120
+        while not ((run / "metrics.jsonl").is_file() and '"kind": "step"' in (run / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    summary = json.loads((run / "summary.json").read_text())
+    done = summary["steps"]
+    assert 1 <= done < 4 and summary["stopped"] == "SIGTERM"
+    assert _checkpoint_step(run) == done and _steps(run) == list(range(1, done + 1))
+    assert "SIGTERM received: stopping after the step in flight" in out
+    assert f"stopped by SIGTERM after step {done} of 4" in out
+    assert f"Resume with: arborl train --resume {run}" in out and "exit status 143 = 128 + SIGTERM" in out
+    assert re.findall(STEP_LINE.format(total=4), out, re.M) == [str(s) for s in range(1, done + 1)]
+
+    res = CliRunner().invoke(app, ["train", "--resume", str(run)])  # the command it printed
+    assert res.exit_code == 0, res.output
+    assert f"resumed from {run / 'checkpoint'} at step {done}" in res.output
+    assert _steps(run) == [1, 2, 3, 4]
+    assert "stopped" not in json.loads((run / "summary.json").read_text())
+
+
+def test_resume_after_kill_9_aborts_the_episodes_left_running(tmp_path):
+    run = tmp_path / "k9"
+    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "k9", "rollout.steps=40", "rollout.checkpoint_every=1")))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        deadline = time.time() + 120
+        while True:  # a checkpoint exists and the next step's episodes are in flight
+            if (run / "checkpoint" / "trainer.pt").is_file() and (run / "datapool.sqlite").is_file():
+                with DataPool(run / "datapool.sqlite") as pool:
+                    if pool.count_episodes(status=EpisodeStatus.RUNNING):
+                        break
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    with DataPool(run / "datapool.sqlite") as pool:
+        left = {e.episode_id for e in pool.episodes(status=EpisodeStatus.RUNNING, with_calls=False)}
+    assert left  # what a dead process leaves behind
+
+    step = _checkpoint_step(run)
+    out = io.StringIO()
+    train(resume_config(run, [f"rollout.steps={step + 1}"]), resume=True, console=Console(file=out))
+    assert f"marked {len(left)} episode" in out.getvalue() and "left running by the stopped process as aborted" in out.getvalue()
+    with DataPool(run / "datapool.sqlite") as pool:
+        assert pool.count_episodes(status=EpisodeStatus.RUNNING) == 0
+        assert {pool.get_episode(e, with_calls=False).status for e in left} == {EpisodeStatus.ABORTED}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 2))
+    assert rows[-1]["episodes"] == 16  # the resumed step trained its own 4 x 4 episodes, none of the stale ones
