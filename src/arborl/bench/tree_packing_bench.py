@@ -50,7 +50,7 @@ class Workload:
     masks: list[list[list[int]]]  # per sample: 1 on tokens whose prediction carries loss (len - 1)
 
 
-def _grpo(rng: random.Random, vocab: int, groups: int, prompt: int, response: int) -> Workload:
+def grpo_workload(rng: random.Random, vocab: int, groups: int, prompt: int, response: int) -> Workload:
     """Random-token groups; responses differ from their first token, prompts between groups too,
     so the shared fraction is exactly 1 - (P + 8R) / (8 (P + R))."""
     batches, masks = [], []
@@ -152,18 +152,18 @@ def run(quick: bool, console: Console) -> dict:
     reps = 2 if quick else 3
     # (P, R) with 1 - (P + 8R) / (8(P + R)) = 0.80 (P = 32R/3) and 0.35 (R = 1.5P)
     if quick:
-        loads = {"80": _grpo(rng, vocab, 1, 192, 18), "35": _grpo(rng, vocab, 1, 48, 72)}
+        loads = {"80": grpo_workload(rng, vocab, 1, 192, 18), "35": grpo_workload(rng, vocab, 1, 48, 72)}
         loads["multiturn"] = _multiturn(tok, rng, 1, 4)
-        loads["low"] = _grpo(rng, vocab, 1, 4, 60)
+        loads["low"] = grpo_workload(rng, vocab, 1, 4, 60)
     else:
-        loads = {"80": _grpo(rng, vocab, 2, 512, 48), "35": _grpo(rng, vocab, 2, 128, 192)}
+        loads = {"80": grpo_workload(rng, vocab, 2, 512, 48), "35": grpo_workload(rng, vocab, 2, 128, 192)}
         loads["multiturn"] = _multiturn(tok, rng, 4, 4)
-        loads["low"] = _grpo(rng, vocab, 1, 8, 120)
+        loads["low"] = grpo_workload(rng, vocab, 1, 8, 120)
     arng = random.Random(1)
     advantages = {k: [[arng.gauss(0, 1) for _ in b] for b in w.batches] for k, w in loads.items()}
 
     console.print(f"[bold]tree-packing[/bold]: {loaded.name}, CPU, torch threads={torch.get_num_threads()}, reps={reps} (A B B A)")
-    _step(model, _grpo(rng, vocab, 1, 32, 8), "flat", [[1.0] * GROUP])  # warm-up
+    _step(model, grpo_workload(rng, vocab, 1, 32, 8), "flat", [[1.0] * GROUP])  # warm-up
 
     results: dict[str, dict] = {}
     grad_diff = 0.0
