@@ -1,0 +1,1 @@
+"""Environments: sandboxed workspaces for agent episodes (see base.py)."""
