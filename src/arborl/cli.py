@@ -191,5 +191,141 @@ def simulate(
     print(json.dumps(result, sort_keys=True))
 
 
+@app.command()
+def dashboard(
+    run_dirs: list[Path] = typer.Argument(None, help="run directories, or directories holding them (default: runs)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to bind"),
+    port: int = typer.Option(8265, "--port", help="TCP port (0 = any free port)"),
+) -> None:
+    """Web dashboard of runs: curves (several runs overlaid), rollout timeline per step, token-level
+    trajectories from the data pool, config; it re-reads the runs, so a running job shows live."""
+    import uvicorn
+
+    from arborl.dashboard import create_app
+    from arborl.dashboard.app import plotly_js
+    from arborl.gateway.server import bind
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        plotly_js()  # the charts' JavaScript: a clear error now rather than blank pages
+        web = create_app(run_dirs or [Path("runs")])
+        sock = bind(host, port)
+    except (ArborlError, OSError) as e:
+        raise _fail(console, e) from None
+    shown = f"[{host}]" if ":" in host else host
+    print(f"http://{shown}:{sock.getsockname()[1]}/", flush=True)
+    console.print("arborl dashboard; Ctrl-C stops")
+    try:
+        uvicorn.Server(uvicorn.Config(web, log_level="warning", access_log=False)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+
+
+@app.command()
+def runs(
+    run_dirs: list[Path] = typer.Argument(None, help="run directories, or directories holding them (default: runs)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per run instead of a table"),
+) -> None:
+    """List run directories with their headline figures (steps, reward, success, held-out score, speed)."""
+    from arborl.dashboard.listing import runs_table
+    from arborl.dashboard.runs import Run, find_runs
+    from arborl.types import ArborlError
+
+    console = Console()
+    if not console.is_terminal:  # a pipe or a log file: whole rows rather than rich's squeezed 80 columns
+        console = Console(width=160)
+    try:
+        found = [Run(p) for p in find_runs(run_dirs or [Path("runs")])]
+    except ArborlError as e:
+        raise _fail(Console(stderr=True), e) from None
+    if as_json:
+        for r in found:
+            print(json.dumps(r.headline(), sort_keys=True))
+    elif not found:
+        console.print("no run directories found")
+    else:
+        console.print(runs_table(found))
+
+
+@app.command()
+def compare(
+    run_dirs: list[Path] = typer.Argument(..., help="two or more run directories (runs/NAME)"),
+) -> None:
+    """Print runs' headline figures and last-step metrics side by side."""
+    from arborl.dashboard.listing import compare_table
+    from arborl.dashboard.runs import Run, is_run_dir
+
+    console = Console() if Console().is_terminal else Console(width=160)
+    bad = [str(p) for p in run_dirs if not is_run_dir(p)]
+    if bad or len(run_dirs) < 2:
+        why = (f"not a run directory (no config.yaml or metrics.jsonl): {', '.join(bad)}" if bad
+               else "give two or more run directories to compare")
+        raise _fail(Console(stderr=True), why)
+    console.print(compare_table([Run(p) for p in run_dirs]))
+
+
+envs_app = typer.Typer(help="environments: validate a task suite (E3), make perturbed variants (E5)", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+
+
+@envs_app.command("validate")
+def envs_validate(
+    suite: str = typer.Argument(..., help="task suite to validate: code_repair"),
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair and rollout.envs are read)"),
+    tier: str = typer.Option("all", "--tier", help="easy, medium, hard or all"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="runs of gold and no-op per task (default: rollout.code_repair.validation_k)"),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="tasks validated at once"),
+    which: str = typer.Option("base", "--which", help="base tasks, their perturbed variants, or all"),
+    limit: int = typer.Option(0, "--limit", min=0, help="validate only this many tasks, spread over the suite (0 = all)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Run every task's gold patch (must pass), the no-op (must fail) and both k times (must agree) in the
+    sandbox; cache the verdicts; training and evaluation draw only validated tasks. Last line: JSON counts."""
+    from arborl.config import load_config
+    from arborl.tasks.code_repair.commands import validate_suite
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    if which not in ("base", "variants", "all"):
+        raise _fail(console, f"--which must be base, variants or all, got {which!r}")
+    try:
+        cfg = load_config(config, overrides)
+        out = validate_suite(cfg, suite, tier=tier, k=k or cfg.rollout.code_repair.validation_k, jobs=jobs,
+                             which=which, limit=limit, console=console)
+    except ArborlError as e:
+        raise _fail(console, e) from None
+    print(json.dumps(out, sort_keys=True))
+
+
+@envs_app.command("perturb")
+def envs_perturb(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair and rollout.envs are read)"),
+    validate: bool = typer.Option(False, "--validate", help="also validate the variants in the sandbox (E3)"),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="with --validate: tasks validated at once"),
+    limit: int = typer.Option(0, "--limit", min=0, help="with --validate: only this many variants, spread (0 = all)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Make the perturbed variants of every code_repair task (renamed, reordered, reworded, moved, optional
+    dependency removed; E5). Each is validated on its own (--validate, or `arborl envs validate code_repair
+    --which variants`); rollout.code_repair.variants=true draws the validated ones."""
+    from arborl.config import load_config
+    from arborl.tasks.code_repair.commands import perturb_suite, validate_suite
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        cfg = load_config(config, overrides)
+        out = perturb_suite(cfg, console)
+        if validate:
+            out["validation"] = validate_suite(cfg, "code_repair", tier="all", k=cfg.rollout.code_repair.validation_k,
+                                               jobs=jobs, which="variants", limit=limit, console=console)
+    except ArborlError as e:
+        raise _fail(console, e) from None
+    print(json.dumps(out, sort_keys=True))
+
+
 if __name__ == "__main__":
     app()

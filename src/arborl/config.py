@@ -49,6 +49,97 @@ class ModelConfig(Section):
     seed: int = Field(0, description="seed of the tiny random model's weights")
 
 
+class SpecConfig(Section):
+    """Speculative decoding in the built-in engine: a drafter proposes tokens, one forward verifies them
+    (lossless: accepted tokens follow the policy's own distribution; log-probs are the policy's)."""
+
+    enabled: bool = Field(False, description="draft and verify several tokens per decode step")
+    drafter: str = Field(
+        "suffix",
+        description="what proposes draft tokens: suffix (matches in the request's own tokens and its GRPO group's), "
+        "draft_model (a layer-truncated copy of the policy), or module:attr / file.py:attr",
+    )
+    num_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per sequence and step (k, tokens)")
+    adaptive: bool = Field(
+        True,
+        description="choose k each step from the profiled verify cost T(batch, k) and the live acceptance per "
+        "position (0 = plain decoding where drafting does not pay); off: always draft num_tokens",
+    )
+    profile_path: str | None = Field(
+        None, description="JSON file with the verify-cost profile (read if it exists, else measured at start and written)"
+    )
+    prior_acceptance: float = Field(
+        0.6, gt=0.0, lt=1.0, description="acceptance probability per draft position assumed before any is measured"
+    )
+    group_trees: bool = Field(
+        True, description="suffix drafter: also draft from the tokens of the request's GRPO group siblings (Seer)"
+    )
+    num_paths: int = Field(1, ge=1, le=16, description="suffix drafter: candidate paths verified per sequence (top-k multi-path)")
+    max_match: int = Field(16, ge=1, description="suffix drafter: longest context suffix matched (tokens)")
+    min_match: int = Field(2, ge=1, description="suffix drafter: shortest context suffix that may propose a draft (tokens)")
+    min_prob: float = Field(
+        0.1, ge=0.0, le=1.0, description="suffix drafter: stop a path where its empirical probability falls below this"
+    )
+    max_groups: int = Field(256, ge=1, description="suffix drafter: group token stores kept per process (least recent dropped)")
+    draft_layers: int = Field(2, ge=1, description="draft_model drafter: decoder layers kept from the policy")
+
+
+class VLLMConfig(Section):
+    """engine.backend=vllm: vLLM's OpenAI-compatible server, started and supervised by arborl (docs/backends.md)."""
+
+    python: str = Field(
+        "auto",
+        description="Python interpreter that has vLLM installed: auto = .venv-vllm/bin/python (`make vllm` makes it) "
+        "when it exists, else this interpreter when it has vLLM (`pip install -e .[vllm]`); or a path",
+    )
+    host: str = Field("127.0.0.1", description="address the vLLM server binds")
+    port: int = Field(0, ge=0, le=65535, description="TCP port of the vLLM server (0 = a free port)")
+    startup_timeout_s: float = Field(900.0, gt=0, description="longest wait for the server to answer /health (seconds)")
+    max_restarts: int = Field(3, ge=0, description="times the supervisor restarts a server that died")
+    kv_cache_gib: float = Field(2.0, gt=0, description="CPU builds: KV cache memory (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    cpu_threads_bind: str = Field(
+        "all",
+        description="CPU builds: cores vLLM's OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. 0-1; "
+        "all = every core of this machine; auto = vLLM's own choice (it keeps one core for its scheduler)",
+    )
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description="what vLLM's per-token log-probs are: processed = under the sampling distribution "
+        "(temperature, top-k/top-p; our sample_logprobs, what a tempered trainer compares with); raw = "
+        "temperature-1 (our logprobs); the other one is exact only where the two coincide (docs/backends.md)",
+    )
+    prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching (--enable-prefix-caching)")
+    enforce_eager: bool = Field(
+        True,
+        description="--enforce-eager: no torch.compile warm-up (startup in seconds instead of minutes on a small "
+        "CPU machine); false compiles the model first",
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description="passed to vLLM as --speculative-config, e.g. {method: ngram, num_speculative_tokens: 3, "
+        "prompt_lookup_max: 4} (None = off)",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="more command-line arguments for vLLM's server")
+    work_dir: str | None = Field(
+        None, description="where the served model and weight updates are written (None = a temporary directory)"
+    )
+
+
+class SGLangConfig(Section):
+    """engine.backend=sglang: SGLang's server (CUDA only), started and supervised by arborl (docs/backends.md)."""
+
+    python: str = Field("python", description="Python interpreter that has SGLang installed")
+    host: str = Field("127.0.0.1", description="address the SGLang server binds")
+    port: int = Field(0, ge=0, le=65535, description="TCP port of the SGLang server (0 = a free port)")
+    startup_timeout_s: float = Field(900.0, gt=0, description="longest wait for the server to answer /health (seconds)")
+    max_restarts: int = Field(3, ge=0, description="times the supervisor restarts a server that died")
+    mem_fraction_static: float = Field(0.5, gt=0, lt=1, description="fraction of GPU memory for weights and KV cache")
+    extra_args: list[str] = Field(default_factory=list, description="more command-line arguments for SGLang's server")
+    work_dir: str | None = Field(
+        None, description="where the served model and weight updates are written (None = a temporary directory)"
+    )
+
+
 class EngineConfig(Section):
     """The built-in inference engine: batching, context length, prefix (radix) KV cache."""
 
@@ -70,8 +161,22 @@ class EngineConfig(Section):
         description="a waiting prompt sharing at least this many uncached tokens with a prompt being "
         "prefilled waits for it (same step) and reuses its KV; 0 disables",
     )
+    weights_dtype: Literal["float32", "bfloat16", "int8", "float8_e4m3"] = Field(
+        "float32",
+        description="precision of the built-in engines' copy of the policy (low-precision rollout, I5; the trainer keeps "
+        "model.dtype): bfloat16; int8 = weight-only int8 Linears (CPU); float8_e4m3 = FP8 weights (CUDA, compute "
+        "capability >= 8.9); weight updates are converted on arrival, mismatch/* metrics show the gap",
+    )
     num_threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
     engine_id: str = Field("engine-0", description="name stamped on every result this engine serves")
+    backend: str = Field(
+        "builtin",
+        description="inference engine (registry engine.backends.ENGINE_BACKENDS): builtin = arborl's own, in "
+        "process; vllm = vLLM's server (engine.vllm); sglang = SGLang's server, CUDA only (engine.sglang)",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="the vLLM server of engine.backend=vllm")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="the SGLang server of engine.backend=sglang")
+    spec: SpecConfig = Field(default_factory=SpecConfig)
 
 
 class DataPoolConfig(Section):
@@ -123,22 +228,64 @@ class GatewayConfig(Section):
     )
 
 
+class RewardShapingConfig(Section):
+    """How an episode's reward parts combine before the advantage (rewards/shaping.py; Forge's composite
+    reward): r = process_weight * process + speed_weight * speed + outcome_weight * outcome."""
+
+    process_weight: float = Field(
+        1.0, ge=0, description="w_p: weight of the per-turn process rewards (C1) the task or agent reported "
+        "(0 = outcome only; reward units per reward unit)"
+    )
+    speed_weight: float = Field(
+        0.0, ge=0, description="w_t: weight of the completion-time reward (C2), finishing faster than the group "
+        "(0 = off; reward units per speed unit)"
+    )
+    outcome_weight: float = Field(1.0, ge=0, description="w_o: weight of the task's outcome reward (reward units)")
+    speed_metric: Literal["wall_time", "turns", "tokens"] = Field(
+        "tokens", description="what completion time counts for the speed reward: the episode's wall seconds, its "
+        "model calls, or its generated tokens"
+    )
+    speed_success_only: bool = Field(
+        True, description="only successful episodes (outcome >= 1) get a speed reward, compared among themselves "
+        "(so failing fast is never rewarded)"
+    )
+
+
 class AdvantageConfig(Section):
-    """Advantage estimation from rewards (rewards/advantages.py): GRPO, Dr.GRPO, reward-to-go (C3)."""
+    """Advantage estimation from rewards (rewards/advantages.py): GRPO, Dr.GRPO, RLOO, REINFORCE++,
+    reward-to-go (C3), process rewards on their turns (C1)."""
 
     estimator: str = Field(
-        "grpo",
+        "auto",
         description="advantage estimator (registry rewards.ADVANTAGE_ESTIMATORS): grpo = outcome reward minus the "
-        "group mean, one value per sample; reward_to_go = per-turn returns (reward from the turn to the episode's "
-        "end) minus the group mean, one value per turn/chunk (C3, C4); or a path to your own, package.module:attr or path/to/file.py:attr",
+        "group mean, one value per sample, plus each turn's group-normalised process reward on that turn; rloo = "
+        "leave-one-out baseline (+ process as grpo); reinforce_pp / reinforce_pp_baseline = REINFORCE++ turn "
+        "returns whitened over the batch, without / with the group-mean baseline; reward_to_go = per-turn returns "
+        "(reward from the turn to the episode's end) minus the group mean, one value per turn/chunk (C3, C4); "
+        "auto = reward_to_go with auto_gamma when the batch has process rewards, else grpo (the default since "
+        "process rewards exist; was grpo); or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     std_normalize: bool = Field(
         True,
-        description="divide by the group's reward std (population std + eps); false with "
+        description="divide by the group's reward std (+ eps, the std given by `std`); false with "
         "train.loss.aggregation=constant is Dr.GRPO",
     )
+    std: Literal["unbiased", "population"] = Field(
+        "unbiased",
+        description="the group std of std_normalize: unbiased = sample std, divide by G-1 (verl / TRL; the default "
+        "since issue 15, was population); population = divide by G",
+    )
     eps: float = Field(1e-6, gt=0, description="added to the group std before dividing (reward units)")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount per turn of reward_to_go (1 = undiscounted)")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="discount per turn of reward_to_go and REINFORCE++ returns (1 = undiscounted)"
+    )
+    auto_gamma: float = Field(
+        0.9, ge=0, le=1, description="discount per turn of reward_to_go when estimator=auto picks it (C3)"
+    )
+    shaping: RewardShapingConfig = Field(
+        default_factory=RewardShapingConfig,
+        description="reward composition before the advantage: process, completion-time and outcome weights (C1, C2)",
+    )
     drop_zero_variance: bool = Field(
         True, description="drop groups whose rewards are all equal (no learning signal); they are counted"
     )
@@ -153,24 +300,94 @@ class LossConfig(Section):
     kind: str = Field(
         "ppo",
         description="policy-gradient token loss (registry train.losses.POLICY_LOSSES): ppo = token-level PPO-clip; "
-        "cispo = MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob; or a path to your own, package.module:attr or path/to/file.py:attr",
+        "cispo = MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob; gspo = sequence-level ratio "
+        "(geometric mean per sample), clipped; gmpo = geometric mean of the token ratios clipped in log space; "
+        "sapo = sigmoid soft gate instead of the clip; clip_cov / kl_cov = PPO / plain PG with the few highest "
+        "log-prob x advantage covariance tokens detached / KL-penalised (Cui et al. 2025); ipa = ROLL's chunk-level "
+        "ratio with a chunk mismatch mask (C4); or a path to your own, package.module:attr or path/to/file.py:attr. "
+        "Every clip/gate acts only where the ratio differs from 1: with one optimiser step per batch and "
+        "train.old_logprobs=trainer (the defaults) the ratio is 1 and every kind gives the PPO gradient, except "
+        "clip_cov (its selected tokens are detached anyway) and ipa (its mismatch mask compares with the rollout)",
     )
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO: ratio lower clip 1 - clip_low (ratio units)")
+    clip_low: float = Field(
+        0.2, ge=0, lt=1, description="PPO and clip_cov: ratio lower clip 1 - clip_low (ratio units; inert while the ratio is 1, see kind)"
+    )
     clip_high: float = Field(
-        0.28, ge=0, description="PPO: ratio upper clip 1 + clip_high (ratio units; > clip_low is DAPO's clip-higher)"
+        0.28, ge=0, description="PPO and clip_cov: ratio upper clip 1 + clip_high (ratio units; > clip_low is DAPO's "
+        "clip-higher; inert while the ratio is 1, see kind)"
     )
     dual_clip: float | None = Field(
-        None, gt=1, description="PPO dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c|A| (None = off)"
+        None, gt=1, description="PPO dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c|A| "
+        "(None = off; inert while the ratio is 1, see kind)"
     )
     cispo_eps_high: float = Field(
-        0.28, ge=0, description="CISPO: the IS weight is clipped at 1 + cispo_eps_high (ratio units)"
+        0.28, ge=0, description="CISPO: the IS weight is clipped at 1 + cispo_eps_high (ratio units; only kind=cispo, "
+        "inert while the ratio is 1)"
     )
     cispo_eps_low: float | None = Field(
-        None, ge=0, lt=1, description="CISPO: lower clip 1 - cispo_eps_low of the IS weight (None = no lower bound, as MiniMax)"
+        None, ge=0, lt=1, description="CISPO: lower clip 1 - cispo_eps_low of the IS weight (None = no lower bound, as "
+        "MiniMax; only kind=cispo, inert while the ratio is 1)"
+    )
+    gspo_clip_low: float = Field(
+        3e-4, ge=0, lt=1, description="GSPO: sequence ratio lower clip 1 - gspo_clip_low (ratio units; only kind=gspo; "
+        "the paper's 3e-4; inert while the ratio is 1)"
+    )
+    gspo_clip_high: float = Field(
+        4e-4, ge=0, description="GSPO: sequence ratio upper clip 1 + gspo_clip_high (ratio units; only kind=gspo; "
+        "the paper's 4e-4; inert while the ratio is 1)"
+    )
+    gmpo_clip_low: float = Field(
+        0.4, ge=0, description="GMPO: token log-ratios are clipped below at -gmpo_clip_low (log-ratio units, i.e. ratio "
+        "e^-0.4; only kind=gmpo; inert while the ratio is 1)"
+    )
+    gmpo_clip_high: float = Field(
+        0.4, ge=0, description="GMPO: token log-ratios are clipped above at +gmpo_clip_high (log-ratio units; only "
+        "kind=gmpo; inert while the ratio is 1)"
+    )
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, description="SAPO: gate temperature for positive advantages; larger = faster decay away from ratio 1 "
+        "(only kind=sapo; inert while the ratio is 1, where the gate's slope is 1 for any temperature)"
+    )
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="SAPO: gate temperature for negative (and zero) advantages (only kind=sapo; inert while "
+        "the ratio is 1)"
+    )
+    cov_clip_frac: float = Field(
+        2e-4, gt=0, le=1, description="Clip-Cov: fraction of a micro-batch's loss tokens (at least 1) whose gradient is "
+        "detached: the highest log-prob x advantage covariance among tokens inside [cov_clip_lb, cov_clip_ub] (only kind=clip_cov)"
+    )
+    cov_clip_lb: float = Field(
+        1.0, description="Clip-Cov: a token is a candidate only if its covariance is above this (covariance units; only kind=clip_cov)"
+    )
+    cov_clip_ub: float = Field(
+        5.0, description="Clip-Cov: a token is a candidate only if its covariance is below this (covariance units; only kind=clip_cov)"
+    )
+    kl_cov_frac: float = Field(
+        2e-4, gt=0, le=1, description="KL-Cov: fraction of a micro-batch's loss tokens (at least 1), the highest log-prob x "
+        "advantage covariance, that get the |log ratio| penalty (only kind=kl_cov; inert while the ratio is 1)"
+    )
+    kl_cov_coef: float = Field(
+        1.0, ge=0, description="KL-Cov: weight of the |log pi - log pi_old| penalty on the selected tokens (only "
+        "kind=kl_cov; inert while the ratio is 1, where the penalty's gradient is 0)"
+    )
+    ipa_clip_low: float = Field(
+        0.2, ge=0, lt=1, description="IPA: chunk ratio lower clip 1 - ipa_clip_low (ratio units; only kind=ipa; inert while the ratio is 1)"
+    )
+    ipa_clip_high: float = Field(
+        0.28, ge=0, description="IPA: chunk ratio upper clip 1 + ipa_clip_high (ratio units; only kind=ipa; inert while the ratio is 1)"
+    )
+    ipa_mask_threshold: float = Field(
+        2.0, gt=1, description="IPA: H; a chunk whose train/rollout mismatch (geometric mean of pi_train / pi_rollout "
+        "over its tokens) is above H or below 1/H is masked, on the sides ipa_mask_sides says (ratio units; only kind=ipa)"
+    )
+    ipa_mask_sides: Literal["sign", "both"] = Field(
+        "sign", description="IPA: sign = a positive-advantage chunk is masked when its mismatch > H, a negative one when "
+        "< 1/H (the side where the update would grow); both = either side masks any chunk (only kind=ipa)"
     )
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (0 = off, no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="per-token estimator of KL(policy || reference): k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r"
+        "k3", description="per-token estimator of KL(policy || reference): k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - "
+        "log r (only with kl_coef > 0)"
     )
     entropy_coef: float = Field(0.0, description="weight of the entropy bonus subtracted from the loss (nats; 0 = off)")
     aggregation: Literal["token_mean", "seq_mean", "constant"] = Field(
@@ -194,11 +411,18 @@ class CorrectionConfig(Section):
     level: Literal["token", "sequence", "geometric", "chunk"] = Field(
         "token",
         description="unit sharing one ratio: token; sequence (product of token ratios); geometric (their geometric "
-        "mean per sample); chunk (geometric mean per span between env interactions, C4)",
+        "mean per sample); chunk (geometric mean per span between env interactions, C4); with mode=none it "
+        "changes no weight (the metrics are per token)",
     )
-    tis_cap: float = Field(2.0, gt=0, description="TIS truncation C of the ratio pi_train / pi_rollout (ratio units)")
-    mask_low: float = Field(0.5, ge=0, description="MIS/IcePop: ratios below this get weight 0 (ratio units)")
-    mask_high: float = Field(5.0, gt=0, description="MIS/IcePop: ratios above this get weight 0 (ratio units)")
+    tis_cap: float = Field(
+        2.0, gt=0, description="TIS truncation C of the ratio pi_train / pi_rollout (ratio units; only mode=tis)"
+    )
+    mask_low: float = Field(
+        0.5, ge=0, description="MIS/IcePop: ratios below this get weight 0 (ratio units; only mode=mis or icepop)"
+    )
+    mask_high: float = Field(
+        5.0, gt=0, description="MIS/IcePop: ratios above this get weight 0 (ratio units; only mode=mis or icepop)"
+    )
     veto: float | None = Field(
         None, gt=0, description="a sample holding any token ratio below this gets weight 0 (ratio units; None = off)"
     )
@@ -234,14 +458,42 @@ class TrainConfig(Section):
     )
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer",
-        description="pi_old of the PPO/CISPO ratio: trainer = the trainer's own log-probs before this step "
-        "(mismatch handled by `correction`); rollout = the engine's log-probs (ratio also measures mismatch)",
+        description="pi_old of the loss ratio: trainer = the trainer's own log-probs at the start of the step, before "
+        "any update (recomputed by an extra forward when the step takes several optimiser steps; mismatch handled by "
+        "`correction`); rollout = the behaviour policy's recorded log-probs (the ratio also measures staleness and "
+        "mismatch, so the clip acts from the first optimiser step)",
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over each batch; each pass takes `minibatches` optimiser steps (1 = one pass)"
+    )
+    minibatches: int = Field(
+        1, ge=1, description="optimiser steps per pass: the batch is split into this many parts, groups kept together "
+        "(capped at the number of samples; 1 = the whole batch per step)",
+    )
+    decoupled: bool = Field(
+        False,
+        description="decoupled PPO (AReaL) for stale data: the ratio is taken against the proximal policy (the trainer's "
+        "log-probs at the start of the step) and the token loss is multiplied by pi_prox / pi_behaviour (the recorded "
+        "rollout log-probs), 0 above decoupled_weight_cap; needs old_logprobs=trainer. It multiplies with "
+        "`correction`'s weight, which corrects the same gap again: keep correction.mode=none with it",
+    )
+    decoupled_weight_cap: float | None = Field(
+        5.0, gt=0, description="decoupled PPO: tokens whose pi_prox / pi_behaviour exceeds this get weight 0, as AReaL's "
+        "behav_imp_weight_cap (ratio units; None = no cap; only with decoupled=true)",
     )
     lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
-    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank)")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank; only with lora_rank > 0)")
     lora_targets: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], description="module names LoRA adapts"
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="module names LoRA adapts (only with lora_rank > 0)",
     )
+
+
+    @model_validator(mode="after")
+    def _decoupled_needs_proximal(self) -> "TrainConfig":
+        if self.decoupled and self.old_logprobs != "trainer":
+            raise ValueError("decoupled PPO clips around the trainer's proximal policy: set train.old_logprobs=trainer")
+        return self
 
 
 class DataConfig(Section):
@@ -278,12 +530,103 @@ class DataConfig(Section):
     )
 
 
+class CodeRepairConfig(Section):
+    """The code_repair task suite: generated buggy repositories with hidden tests (tasks/code_repair)."""
+
+    tier: Literal["easy", "medium", "hard", "all"] = Field(
+        "all",
+        description="which tasks are drawn: easy (one file; the statement names the function and failing tests), "
+        "medium (a package, the bug away from the entry point), hard (the statement gives only the symptom), or all",
+    )
+    seed: int = Field(0, description="generator seed: which repositories, bugs and names the suite holds")
+    per_template: int = Field(16, ge=1, description="tasks generated per bug template (25 templates; tasks)")
+    suite_dir: str = Field(
+        "",
+        description="directory the suite is materialised into on first use, with its validation cache "
+        "('' = ~/.cache/arborl/code_repair/v<generator>-seed<seed>-n<per_template>)",
+    )
+    variants: bool = Field(
+        False, description="also draw the perturbed variants of every task (renamed, reordered, reworded, moved, "
+        "optional dependency removed; E5), each validated on its own"
+    )
+    require_validated: bool = Field(
+        True,
+        description="draw only tasks whose validation passed (`arborl envs validate code_repair`); false = also "
+        "tasks never validated (never those that failed)",
+    )
+    validation_k: int = Field(3, ge=1, description="runs of the gold patch and of the no-op per task when validating; all must agree (runs)")
+    test_timeout_s: float = Field(60.0, gt=0, description="wall-clock limit of one run of a task's hidden tests (seconds)")
+
+
+class JudgeConfig(Section):
+    """E4: an LLM judge of finished episodes against reward hacks (tasks/judge.py), for suites that offer
+    it (code_repair); its verdict and reasoning are stored with the episode (meta "judge")."""
+
+    mode: Literal["off", "veto", "weight"] = Field(
+        "off",
+        description="off; veto = an episode the judge calls a hack scores outcome 0; weight = outcome becomes "
+        "(1 - weight) x outcome + weight x judge score where the tests passed",
+    )
+    weight: float = Field(0.5, ge=0, le=1, description="the judge's share of the outcome when mode=weight")
+    base_url: str | None = Field(
+        None, description="OpenAI-compatible endpoint of the judge (.../v1); None = the served policy, in judge "
+        "sessions that are never trained on",
+    )
+    model: str | None = Field(None, description="model name sent to base_url (None = the served model's name)")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding base_url's API key")
+    max_tokens: int = Field(256, ge=1, description="most tokens of the judge's answer")
+
+
+class EnvsConfig(Section):
+    """Environments: the sandbox runtime agent commands run in, its workspaces and its limits (docs/envs.md)."""
+
+    runtime: str = Field(
+        "bwrap",
+        description="bwrap (bubblewrap sandbox; errors where it cannot run), local (NO isolation: an explicit, "
+        "unsafe opt-in), or module:attr / file.py:attr of your own runtime class",
+    )
+    root_dir: str = Field("/tmp/arborl-envs", description="directory holding the episodes' workspaces, one per episode id")
+    copy_mode: Literal["copy", "cp"] = Field(
+        "copy",
+        description="how a workspace is made from its template: copy (in-process file copy) or cp (`cp -a "
+        "--reflink=auto`, copy-on-write where the filesystem supports it); never hard links",
+    )
+    wall_s: float = Field(30.0, gt=0, description="wall-clock limit of one command (seconds); its whole process tree is killed")
+    cpu_s: int = Field(30, ge=1, description="CPU-time limit of one command's processes (seconds, RLIMIT_CPU)")
+    memory_mb: int = Field(2048, ge=16, description="address-space limit per process (MiB, RLIMIT_AS)")
+    processes: int = Field(64, ge=4, description="most processes/threads one workspace's commands may have at once")
+    file_size_mb: int = Field(64, ge=1, description="largest file a command may write (MiB, RLIMIT_FSIZE)")
+    disk_mb: int = Field(256, ge=1, description="most bytes a workspace may hold (MiB; a size-capped tmpfs when root)")
+    tmp_mb: int = Field(64, ge=1, description="size of the sandbox's private /tmp (MiB, tmpfs)")
+    output_kb: int = Field(
+        4096, ge=1, description="most stdout+stderr kept from one command (KiB); past it the command is killed"
+    )
+    workspace_path: str = Field("/workspace", description="where the workspace appears inside the sandbox (its cwd)")
+    bind_python: bool = Field(
+        True,
+        description="bind the running Python (its venv and base installation) read-only into the sandbox and put it "
+        "first on PATH, so `python -m pytest` works inside",
+    )
+    ro_binds: list[str] = Field(
+        default_factory=list, description="extra host paths bound read-only into the sandbox at their absolute path "
+        "(relative ones are the working directory's), e.g. the directory of a sandboxed agent command's script"
+    )
+    sandbox_uid_base: int = Field(
+        61000,
+        ge=1000,
+        description="as root, each live workspace runs as its own unprivileged uid from [base, base + sandbox_uids) "
+        "so the process cap binds (RLIMIT_NPROC does not bind root)",
+    )
+    sandbox_uids: int = Field(1024, ge=1, description="size of that uid pool (the most workspaces live at once, as root)")
+    bwrap_path: str = Field("bwrap", description="the bubblewrap executable (a name looked up on PATH, or a path)")
+
+
 class RolloutConfig(Section):
     """The rollout controller: which tasks, how many per step, how episodes are sampled."""
 
     task: str = Field(
         "calculator",
-        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
+        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data), chain (max_turns - 1 dependent tool calls, a wrong step ends the episode), chain_tokens (the same on token ids, max_turns steps, tiny models), code_repair (fix a bug in a small repository, hidden tests; rollout.code_repair); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
         "factory of the rollout section",
     )
     agent: str = Field(
@@ -322,10 +665,40 @@ class RolloutConfig(Section):
     data: DataConfig = Field(
         default_factory=DataConfig, description="prompt files and reward function of the dataset task suite"
     )
+    code_repair: CodeRepairConfig = Field(
+        default_factory=CodeRepairConfig, description="tiers, cache and validation of the code_repair task suite"
+    )
     agent_command: list[str] = Field(
         default_factory=list,
         description="argv of the black-box program rollout.agent=command runs once per episode, e.g. "
         "[python, my_agent.py]; it gets OPENAI_BASE_URL / OPENAI_API_KEY of the episode's session",
+    )
+    process_penalties: bool = Field(
+        False,
+        description="calculator: post Forge's process penalties (C1: -0.2 for a malformed tool call, a tool error, "
+        "language mixing) as process rewards on their turns. Off by default: on a sparse-outcome task, penalties "
+        "alone teach the policy to stop calling the tool (measured: the default job's training reward stayed 0 and "
+        "its steps stopped training). The chain task always emits its step rewards",
+    )
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="LLM judge of finished episodes (E4)")
+    envs: EnvsConfig = Field(
+        default_factory=EnvsConfig, description="sandboxed environments the episodes run in: runtime, workspaces, limits"
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="rollout worker processes that run the episodes (agent + environment) and reach the gateway "
+        "over HTTP, so a crashing or hanging agent never blocks the controller or another episode (A4); "
+        "0 = episodes run in the controller's own process",
+    )
+    infra_retries: int = Field(
+        2,
+        ge=0,
+        description="times an episode that failed for an infrastructure reason (its worker died, its sandbox did "
+        "not start, the gateway answered 5xx) is run again; infrastructure failures are never trained on",
+    )
+    worker_stall_s: float = Field(
+        30.0, gt=0, description="a rollout worker that sends no heartbeat for this long is killed and restarted (seconds)"
     )
 
     @model_validator(mode="after")
@@ -412,6 +785,68 @@ class SchedulingConfig(Section):
     )
 
 
+class ReportConfig(Section):
+    """What a run reports besides its run directory's files: metrics loggers (report/loggers.py)."""
+
+    loggers: list[str] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where each step's metrics go (registry report.loggers.LOGGERS): jsonl (metrics.jsonl, always "
+        "written), tensorboard (<run_dir>/tensorboard), wandb (offline, <run_dir>/wandb), mlflow (local file store "
+        "<run_dir>/mlruns), or module:attr / file.py:attr; the trackers are extras: pip install 'arborl[tensorboard]'",
+    )
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set report.loggers=jsonl,tensorboard
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+
+class ClusterConfig(Section):
+    """Where the run's parts live: in this process (local) or as Ray actors (docs/cluster.md)."""
+
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local = every engine in this process; ray = each engine replica is a Ray actor (its own "
+        "process) in a placement group, behind the same engine pool and gateway",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join (`auto`, `host:port`, `ray://host:port`); unset = start a local one for "
+        "the run and stop it afterwards",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs a local Ray cluster started for the run declares (unset = all of this machine's)"
+    )
+    engine_cpus: float = Field(1.0, gt=0, description="CPUs reserved per engine actor (its placement-group bundle; torch threads)")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved per engine actor (fractions share one GPU)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the engine bundles"
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0,
+        description="longest wait for the placement group and the actors to be ready, then a clear error (seconds)",
+    )
+    max_restarts: int = Field(
+        3, ge=0,
+        description="times Ray restarts an engine actor that died; a restarted one loads the latest weights and rejoins",
+    )
+    weight_sync: Literal["object_store", "safetensors"] = Field(
+        "object_store",
+        description="how new weights reach the engine actors: object_store = one ray.put per version, every "
+        "actor reads it; safetensors = one file per version in cluster.shared_dir (storage every node sees)",
+    )
+    shared_dir: str | None = Field(
+        None, description="directory for weight_sync=safetensors (unset = <run_dir>/weights); must be shared by all nodes"
+    )
+    pd_prefill_engines: int = Field(
+        0, ge=0,
+        description="prefill/decode disaggregation: the first N engines only prefill prompts, the others decode "
+        "from the KV moved to them (0 = colocated: every engine does both)",
+    )
+
+
 class SimConfig(Section):
     """`arborl simulate`: a workload and a cluster (cost model) to compare scheduling policies on.
 
@@ -454,6 +889,11 @@ class SimConfig(Section):
     )
     max_batch: int = Field(256, ge=1, description="most sequences one instance decodes together")
     weight_update_s: float = Field(20.0, ge=0, description="pause of every instance to load new weights (seconds)")
+    spec_acceptance: float = Field(
+        0.0, ge=0, lt=1, description="speculative decoding: acceptance per draft position, e.g. as measured by "
+        "`arborl bench specdec` with group drafts (0 = no speculation)"
+    )
+    spec_max_k: int = Field(4, ge=1, description="speculative decoding: most draft tokens per sequence and step (tokens)")
     seed: int = Field(0, description="seed of the workload's lengths and latencies")
     gantt_dir: str | None = Field(None, description="write one Gantt PNG per policy into this directory (None = none)")
 
@@ -483,6 +923,10 @@ class Config(Section):
         default_factory=SchedulingConfig, description="rollout scheduling: consumption, dispatch, partial rollout"
     )
     sim: SimConfig = Field(default_factory=SimConfig, description="`arborl simulate` workload and cluster")
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="local or Ray deployment: actors, resources, weight sync, PD"
+    )
+    report: ReportConfig = Field(default_factory=ReportConfig, description="metrics loggers: jsonl, TensorBoard, W&B, MLflow")
 
     @property
     def run_dir(self) -> Path:
@@ -501,7 +945,7 @@ class Config(Section):
 
 
 # built-in advantage estimators that compare the episodes of a group (need rollout.group_size >= 2)
-GROUP_RELATIVE_ESTIMATORS = ("grpo", "reward_to_go")
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "reward_to_go", "auto", "rloo", "reinforce_pp_baseline")
 
 
 def known_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:

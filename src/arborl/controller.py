@@ -22,12 +22,15 @@ resumed run samples exactly what the uninterrupted run would have.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from arborl.agents import AGENTS, run_agent
-from arborl.config import Config
+from arborl.agents.served import serve_http, serve_unix
+from arborl.config import Config, JudgeConfig
 from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
@@ -36,9 +39,11 @@ from arborl.rollout.partial import mask_stale
 from arborl.rollout.timeline import Timeline
 from arborl.seeding import derive_seed
 from arborl.tasks import TaskSuite
+from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, apply_verdict
 from arborl.train.samples import build_samples
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError, Episode, EpisodeStatus, Task
+from arborl.workers import RemoteAgent, WorkerPool
 
 
 class Controller:
@@ -73,21 +78,60 @@ class Controller:
         self._draws: dict[int, list[Task]] = {}
         self.t0 = time.time()
         self.timeline = Timeline() if cfg.scheduling.timeline else None
+        self.workers: WorkerPool | None = None  # started on the first episode when rollout.workers > 0
+        self._workers_lock = asyncio.Lock()
+        self._exit: contextlib.AsyncExitStack | None = None
+        self.infra_failures = 0  # episodes run again after an infrastructure failure
+        self.judge = make_judge(cfg.rollout.judge, gateway) if hasattr(suite, "judge_input") else None
 
     # -- episodes ---------------------------------------------------------------------------------
+    async def _agent(self, sampling: dict[str, Any]):
+        """The agent loop of one episode: in this process, or run by a rollout worker (rollout.workers)."""
+        r = self.cfg.rollout
+        if r.workers == 0:
+            return self.make_agent(self.suite, sampling)
+        async with self._workers_lock:
+            if self.workers is None:
+                self._exit = contextlib.AsyncExitStack()
+                base_url = await self._exit.enter_async_context(serve_http(self.gateway))
+                unix_socket = await self._exit.enter_async_context(serve_unix(self.gateway))
+                pool = WorkerPool(r.workers, r, base_url=base_url, model=self.gateway.model_name,
+                                  stall_s=r.worker_stall_s, log_dir=Path(self.cfg.run_dir) / "workers",
+                                  unix_socket=unix_socket)
+                await pool.start()
+                self._exit.push_async_callback(pool.close)
+                self.workers = pool
+        return RemoteAgent(self.workers, sampling)
+
     async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any]) -> Episode:
-        """One episode through the gateway, read back from the data pool and scored."""
-        run = await run_agent(self.gateway, self.make_agent(self.suite, sampling), task, group_id=group_id,
-                              timeout_s=self.cfg.rollout.agent_timeout_s)
+        """One episode through the gateway, read back from the data pool and scored. An episode that
+        fails for an infrastructure reason is recorded as such (never trained on) and run again, up
+        to rollout.infra_retries times, so it does not count as a failure of the policy."""
+        for attempt in range(self.cfg.rollout.infra_retries + 1):
+            run = await run_agent(self.gateway, await self._agent(sampling), task, group_id=group_id,
+                                  timeout_s=self.cfg.rollout.agent_timeout_s,
+                                  metadata={"attempt": attempt} if attempt else None)
+            if not run.infra:
+                break
+            self.infra_failures += 1
         episode = await asyncio.to_thread(self.datapool.get_episode, run.episode_id)
         if episode is None:  # the session never reached the data pool
             episode = Episode(task.task_id, group_id, status=EpisodeStatus.FAILED, episode_id=run.episode_id)
         components = self.suite.score(task, run.outcome, episode.calls) if run.status == EpisodeStatus.FINISHED else {}
+        meta = None
+        if components and self.judge is not None:
+            judged = self.suite.judge_input(task, run.outcome)
+            if judged is not None:
+                v = await self.judge.verdict(*judged, tag=f"judge:{run.episode_id}")
+                j = self.cfg.rollout.judge
+                components = apply_verdict(components, v, mode=j.mode, weight=j.weight)
+                meta = {**episode.meta, "judge": v.to_dict()}
+                episode.meta = meta
         episode.status = run.status
         episode.reward_components = components
         episode.reward = float(components.get("outcome", 0.0))
         await asyncio.to_thread(self.datapool.update_episode, run.episode_id, reward=episode.reward,
-                                reward_components=components)
+                                reward_components=components, meta=meta)
         return episode
 
     async def run_groups(self, tasks: list[Task], group_size: int, *, temperature: float, tag: str) -> list[Episode]:
@@ -146,10 +190,13 @@ class Controller:
             self._finished.pop(gid, None)
 
     async def close(self) -> None:
-        """Cancel every group still in flight and wait until they are gone."""
+        """Cancel every group still in flight, wait until they are gone, stop the rollout workers."""
         tasks = list(self._running.values())
         self.cancel(list(self._running))
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._exit is not None:
+            await self._exit.aclose()
+            self._exit, self.workers = None, None
 
     async def _next_batch(self):
         while True:
@@ -239,7 +286,10 @@ class Controller:
             "sched/cancelled_groups": st["cancelled"],
             "sched/in_flight_groups": len(self._running),
             "sched/masked_tokens": masked,
+            "rollout/infra_failures": self.infra_failures,
+            **({f"rollout/{k}": v for k, v in self.workers.stats().items()} if self.workers else {}),
             **{f"dispatch/{k}": v for k, v in self.engines.dispatch_stats().items()},
+            **{f"spec/{k}": v for k, v in self.engines.spec_stats().items()},
             **{k: v for k, v in train_metrics.items() if k != "train/step"},
         }
 
@@ -258,6 +308,16 @@ class Controller:
             "eval_tool_use": sum(e.reward_components.get("used_tool", 0.0) for e in episodes) / len(episodes),
             "eval_s": time.perf_counter() - t0,
         }
+
+
+def make_judge(cfg: JudgeConfig, gateway: Gateway) -> Judge | None:
+    """The judge rollout.judge configures (None when off): the served policy, or another endpoint."""
+    if cfg.mode == "off":
+        return None
+    if cfg.base_url is None:
+        return Judge(GatewayJudgeClient(gateway), max_tokens=cfg.max_tokens)
+    client = OpenAIJudgeClient(cfg.base_url, cfg.model or gateway.model_name, os.environ.get(cfg.api_key_env, "none"))
+    return Judge(client, max_tokens=cfg.max_tokens)
 
 
 def draw_tasks(suite: TaskSuite, seed: int, batch_tasks: int, draw: int) -> list[Task]:

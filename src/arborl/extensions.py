@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from arborl.agents import AGENTS
 from arborl.config import Config, ConfigError
+from arborl.engine.backends import ENGINE_BACKENDS
+from arborl.engine.spec import DRAFTERS
 from arborl.registry import Registry, RegistryError
 from arborl.rewards import ADVANTAGE_ESTIMATORS
 from arborl.rollout.consume import CONSUME_POLICIES
@@ -22,6 +24,8 @@ REGISTRY_KNOBS: dict[str, Registry] = {
     "train.advantage.estimator": ADVANTAGE_ESTIMATORS,
     "scheduling.consume": CONSUME_POLICIES,
     "scheduling.dispatch": DISPATCH_POLICIES,
+    "engine.spec.drafter": DRAFTERS,
+    "engine.backend": ENGINE_BACKENDS,
 }
 
 

@@ -41,8 +41,9 @@ from arborl.report import (
     summary_table,
 )
 from arborl.report.lines import IDLE_ADVICE
+from arborl.report.loggers import RunLoggers, check_loggers
 from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_changes
-from arborl.rundir import METRICS_FILE, RunDir, resume_command
+from arborl.rundir import RunDir, resume_command
 from arborl.stopping import RunStopped, StopRequest
 from arborl.tasks import make_suite
 from arborl.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
@@ -80,6 +81,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
     check_extensions(cfg)
+    check_loggers(cfg.report.loggers)
     run = RunDir(cfg.run_dir, cfg.datapool)
     changes: dict[str, tuple[Any, Any]] = {}
     if resume:
@@ -108,7 +110,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     if overwrite:
         run.clear()
     run.path.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLog(run.path / METRICS_FILE)
+    # metrics.jsonl and the trackers of report.loggers
+    metrics = RunLoggers(cfg.report.loggers, run.path, cfg.name, cfg.model_dump(mode="json"))
     if not resume or not (run.path / CONFIG_FILE).exists():
         (run.path / CONFIG_FILE).write_text(dump_config(cfg))
         (run.path / CHANGES_FILE).unlink(missing_ok=True)
@@ -137,6 +140,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
             _train_loop(cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1))
     finally:
         launched.close()
+        metrics.close()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
     if stopped:
         summary["stopped"] = stopped

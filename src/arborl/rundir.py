@@ -19,7 +19,7 @@ from arborl.types import ArborlError, EpisodeStatus
 METRICS_FILE = "metrics.jsonl"
 # what a run writes; --overwrite deletes these and nothing else
 OUTPUTS = (CONFIG_FILE, CHANGES_FILE, "serve.config.yaml", METRICS_FILE, "summary.json", "curves.png", "checkpoint",
-           "timeline", "eval")
+           "timeline", "eval", "tensorboard", "wandb", "mlruns")  # the last three: report.loggers
 
 
 class RunExistsError(ArborlError):

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from arborl.assemble import build_gateway
 from arborl.config import dump_config, load_config
+from arborl.dashboard import create_app as dashboard_app
 from arborl.extensions import check_extensions
 from arborl.gateway.server import bind, serve_forever
 
@@ -48,9 +49,10 @@ def run_serve(config: Path | None, host: str | None, port: int | None, overrides
         else:
             console.print(f"admin key (generated; set ARBORL_ADMIN_KEY to choose one): {gw.admin_key}")
         console.print("create a session: POST /v1/sessions with the admin key; Ctrl-C stops")
+        console.print(f"dashboard of the runs in {cfg.runs_dir}: {url[:-3]}/dashboard/")
 
     try:
-        serve_forever(gw, sock, on_ready=ready)
+        serve_forever(gw, sock, on_ready=ready, mounts={"/dashboard": dashboard_app([cfg.runs_dir])})
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was graceful
         pass
     finally:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from arborl.agents.client import SessionClient
+from arborl.envs.base import InfraError
 from arborl.gateway.core import Gateway
+from arborl.gateway.errors import GatewayError
 from arborl.registry import Registry
 from arborl.types import EpisodeStatus, Task
 
@@ -60,6 +62,7 @@ class EpisodeRun:
     outcome: AgentOutcome | None
     error: str | None
     duration_s: float
+    infra: bool = False  # it failed for an infrastructure reason (``InfraError``): retried, never trained on
 
 
 async def run_agent(
@@ -80,14 +83,18 @@ async def run_agent(
     t0 = time.perf_counter()
     outcome: AgentOutcome | None = None
     error: str | None = None
+    infra = False
     try:
         outcome = await asyncio.wait_for(agent(task, client), timeout_s)
         status = outcome.status if outcome is not None else EpisodeStatus.FINISHED
     except (asyncio.TimeoutError, TimeoutError):
         status, error = EpisodeStatus.ABORTED, f"the agent exceeded its timeout of {timeout_s} s"
+    except InfraError as e:
+        status, error, infra = EpisodeStatus.FAILED, f"infrastructure failure: {e}", True
     except Exception as e:  # noqa: BLE001 - the episode fails, the rollout goes on
         status = EpisodeStatus.FAILED
         error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        infra = isinstance(e, GatewayError) and e.status >= 500  # the gateway or an engine failed, not the agent
         tb = traceback.format_exc()
         await gateway.set_meta(info.session, agent_traceback=tb[-4000:])
     duration = time.perf_counter() - t0
@@ -96,6 +103,7 @@ async def run_agent(
         info.session,
         outcome={"answer": outcome.answer if outcome else None, "info": outcome.info if outcome else {},
                  "error": error, "duration_s": duration},
+        **({"infra_error": error} if infra else {}),
     )
     await gateway.finish(info.session, status)
-    return EpisodeRun(info.session_id, status, outcome, error, duration)
+    return EpisodeRun(info.session_id, status, outcome, error, duration, infra)

@@ -6,7 +6,10 @@ call is validated, stitched, routed and recorded exactly like a black-box one --
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from arborl.gateway.core import Gateway, SessionInfo
@@ -26,6 +29,15 @@ class ChatReply:
     policy_version: int | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)  # the full OpenAI response body
 
+    @classmethod
+    def from_response(cls, raw: dict[str, Any]) -> "ChatReply":
+        """The reply of a one-choice ``/v1/chat/completions`` response body."""
+        ch = raw["choices"][0]
+        msg = ch["message"]
+        return cls(message=msg, content=msg.get("content"), tool_calls=list(msg.get("tool_calls") or []),
+                   finish_reason=ch["finish_reason"], call_id=ch["call_id"], token_ids=ch["token_ids"],
+                   policy_version=ch["policy_version"], raw=raw)
+
 
 class SessionClient:
     """A session-bound client for white-box agents (see ``agents.base.AgentLoop``)."""
@@ -43,6 +55,14 @@ class SessionClient:
     def model(self) -> str:
         return self.gateway.model_name
 
+    @contextlib.asynccontextmanager
+    async def gateway_socket(self) -> AsyncIterator[Path]:
+        """The gateway on a Unix socket while inside (for an agent in a sandbox with no network)."""
+        from arborl.agents.served import serve_unix
+
+        async with serve_unix(self.gateway) as path:
+            yield path
+
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any) -> ChatReply:
         """One chat completion (``n`` must be 1); ``params`` are OpenAI's (temperature, max_tokens, stop, ...)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, **params, "return_token_ids": True}
@@ -51,18 +71,7 @@ class SessionClient:
         raw = await self.chat_completion(**body)
         if len(raw["choices"]) != 1:
             raise ValueError("SessionClient.chat serves one choice; use chat_completion(n=...) for several")
-        ch = raw["choices"][0]
-        msg = ch["message"]
-        return ChatReply(
-            message=msg,
-            content=msg.get("content"),
-            tool_calls=list(msg.get("tool_calls") or []),
-            finish_reason=ch["finish_reason"],
-            call_id=ch["call_id"],
-            token_ids=ch["token_ids"],
-            policy_version=ch["policy_version"],
-            raw=raw,
-        )
+        return ChatReply.from_response(raw)
 
     async def chat_completion(self, **body: Any) -> dict[str, Any]:
         """The raw ``/v1/chat/completions`` body in, the OpenAI response body out (non-streaming)."""

@@ -49,11 +49,14 @@ class CommandAgent:
 
 
 @AGENTS.register("command")
-def command_agent(suite: Any, sampling: dict[str, Any]) -> CommandAgent:
-    """The program ``suite.rollout.agent_command`` (``make_suite`` gives every suite its rollout section)."""
+def command_agent(suite: Any, sampling: dict[str, Any]) -> Any:
+    """The program ``suite.rollout.agent_command`` (``make_suite`` gives every suite its rollout section);
+    on the host, or, for a suite that offers ``command_agent`` (code_repair), in the episode's sandbox."""
     rollout = getattr(suite, "rollout", None)
     command = list(getattr(rollout, "agent_command", None) or [])
     if rollout is None or not command:
         raise ConfigError("rollout.agent=command needs rollout.agent_command (the program's argv) and a suite built "
                           "by arborl.tasks.make_suite, which carries the rollout section")
+    if hasattr(suite, "command_agent"):  # a suite with environments runs the program inside the episode's sandbox
+        return suite.command_agent(command, sampling, rollout.agent_timeout_s)
     return CommandAgent(command, sampling=sampling, timeout_s=rollout.agent_timeout_s)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import tempfile
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -42,14 +46,18 @@ class _Served:
 _SERVED: "weakref.WeakKeyDictionary[Gateway, _Served]" = weakref.WeakKeyDictionary()
 
 
-def _start(gateway: Gateway, host: str) -> _Served:
-    sock = bind(host, 0)
+def _serve(gateway: Gateway, sock: socket.socket, base_url: str) -> _Served:
     config = uvicorn.Config(create_app(gateway), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=10)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="arborl-gateway-http")
+    return _Served(asyncio.get_running_loop(), server, task, base_url)
+
+
+def _start(gateway: Gateway, host: str) -> _Served:
+    sock = bind(host, 0)
     shown = f"[{host}]" if ":" in host else host
-    return _Served(asyncio.get_running_loop(), server, task, f"http://{shown}:{sock.getsockname()[1]}/v1")
+    return _serve(gateway, sock, f"http://{shown}:{sock.getsockname()[1]}/v1")
 
 
 async def _ready(s: _Served, timeout_s: float = 30.0) -> None:
@@ -80,3 +88,28 @@ async def serve_http(gateway: Gateway, host: str = "127.0.0.1") -> AsyncIterator
             s.server.should_exit = True
             if _SERVED.get(gateway) is s:
                 del _SERVED[gateway]
+
+
+@contextlib.asynccontextmanager
+async def serve_unix(gateway: Gateway) -> AsyncIterator[Path]:
+    """``gateway`` served over a fresh Unix socket while inside; yields the socket's path.
+
+    For agents in a sandbox with no network: the socket is bound into the sandbox, and any local user
+    may connect to it (each episode's key still limits a caller to its own session)."""
+    d = Path(tempfile.mkdtemp(prefix="arborl-gw-"))
+    os.chmod(d, 0o755)  # the sandbox's unprivileged uid must reach the socket
+    path = d / "gateway.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o777)
+    sock.listen(128)
+    s = _serve(gateway, sock, f"http://localhost/v1 (unix socket {path})")
+    try:
+        await _ready(s)
+        yield path
+    finally:
+        s.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(s.task, 15)
+        path.unlink(missing_ok=True)
+        d.rmdir()

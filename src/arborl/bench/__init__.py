@@ -16,6 +16,11 @@ BENCHMARKS: dict[str, str] = {
     "tree-packing": "arborl.bench.tree_packing_bench:run",
     "scheduling": "arborl.bench.scheduling_bench:run",
     "vs-trl": "arborl.bench.vs_trl_bench:run",
+    "envs": "arborl.bench.envs_bench:run",
+    "backends": "arborl.bench.backends_bench:run",
+    "specdec": "arborl.bench.specdec_bench:run",
+    "credit": "arborl.bench.credit_bench:run",
+    "cluster": "arborl.bench.cluster_bench:run",
 }
 
 

@@ -271,6 +271,7 @@ class Dispatcher:
         piece = continuation(req.prompt_token_ids, live.pieces, req.params, request_id=f"{req.request_id}#{len(live.pieces)}",
                              chunk_tokens=a.max_new_tokens, priority=a.priority)
         assert piece is not None, "the policy assigned a request that is complete"
+        piece.group_id = live.group_id  # speculative drafts share the group's tokens
         live.engine, live.piece_id = a.instance, piece.request_id
         self._span(live, instance=a.instance, probe=a.probe)
         self._pieces[a.instance] += 1
@@ -318,7 +319,7 @@ class Dispatcher:
             if error is not None:
                 self._span(live, "cancel")
             if (isinstance(error, EngineClosedError) and self._alive() and not live.aborted
-                    and live.streamed == live.generated):  # divided rollout: go on elsewhere from its tokens
+                    and (live.events is None or live.streamed == live.generated)):  # go on elsewhere from its tokens
                 self.counts["rescued"] += 1
                 live.preempted = False
                 self.policy.requeue(live.request.request_id, live.generated, self._now())

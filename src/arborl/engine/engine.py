@@ -5,6 +5,10 @@ first), prefills them -- skipping the longest prefix whose KV is cached -- and t
 token for every running sequence. Finished sequences leave at once and their KV goes to the prefix
 cache. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
 recomputed under the new weights, and every token is stamped with the version that produced it.
+
+With ``engine.spec.enabled`` a decode step may instead verify drafts (``engine/spec``): one forward
+over every sequence's last token and its draft tree, then lossless acceptance; the KV of rejected
+draft tokens is dropped by not counting it (``kv_len``), and later writes overwrite it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from arborl.engine.model_runner import ModelRunner
 from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
 from arborl.engine.sequence import Sequence, SeqState
+from arborl.engine.spec import Draft, SpecDecoder
+from arborl.engine.spec.verify import accept
 from arborl.prefix import RadixTree
 from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
 
@@ -89,6 +95,7 @@ class LLMEngine:
         self._by_id: dict[str, Sequence] = {}
         self._aborts: set[str] = set()
         self.stats = EngineStats()
+        self.spec = SpecDecoder(self) if config.spec.enabled else None
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
@@ -131,6 +138,8 @@ class LLMEngine:
         self.runner.load_weights(state)
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
+        if self.spec is not None:
+            self.spec.drafter.weights_updated()
         if self._running:
             with torch.inference_mode():
                 self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self._running])
@@ -184,6 +193,9 @@ class LLMEngine:
 
     def drop_all(self) -> None:
         """Forget every request without serving it (after a failed step; their callers get an error)."""
+        if self.spec is not None:
+            for seq in self._running:
+                self.spec.drafter.release(seq)
         self._waiting.clear()
         self._running.clear()
         self._by_id.clear()
@@ -284,6 +296,11 @@ class LLMEngine:
 
     def _decode(self, finished: list[Sequence]) -> None:
         batch = list(self._running)
+        if self.spec is not None:
+            drafts = self.spec.drafts(batch)
+            if drafts is not None:
+                self._verify(batch, drafts, finished)
+                return
         logits = self.runner.decode([s.tokens[-1] for s in batch], [s.kv_len for s in batch])
         for s in batch:
             s.kv_len += 1
@@ -291,6 +308,42 @@ class LLMEngine:
         self.stats.batch_size_sum += len(batch)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
         self._sample_into(batch, logits, finished)
+
+    def _verify(self, batch: list[Sequence], drafts: list[Draft], finished: list[Sequence]) -> None:
+        """One forward over each sequence's last token + draft tree; accept, emit, roll back the rest."""
+        assert self.spec is not None
+        starts = [s.kv_len for s in batch]
+        logits = self.runner.verify(
+            [(s.slot, s.kv_len, [s.tokens[-1]] + d.tokens, [-1] + [p + 1 for p in d.parents]) for s, d in zip(batch, drafts)]
+        )
+        results = []
+        for r, (seq, d, start) in enumerate(zip(batch, drafts, starts)):
+            acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.generator)
+            # the accepted path's KV moves to consecutive positions; anything past it is rolled back
+            self.runner.kv.copy_positions(seq.slot, [start + 1 + n for n in acc.nodes],
+                                          [start + 1 + j for j in range(len(acc.nodes))])
+            seq.kv_len = start + 1 + len(acc.nodes)  # before any release moves slots
+            self.spec.accepted(d, len(acc.nodes))
+            results.append(acc)
+        self.stats.decode_steps += 1
+        self.stats.batch_size_sum += len(batch)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
+        self.spec.metrics.verify_steps += 1
+        for seq, acc in zip(batch, results):
+            reason = None
+            for tok, lp, slp in zip(acc.tokens, acc.logprobs, acc.sample_logprobs):
+                seq.append(tok, lp, slp, self.version)
+                self.stats.generated_tokens += 1
+                reason = self._stop_reason(seq, tok)
+                if seq.on_token is not None:
+                    seq.on_token(seq)
+                if reason is not None:
+                    break
+            seq.kv_len = len(seq.tokens) - 1
+            if reason is not None:
+                seq.finish_reason = reason
+                self._release(seq)
+                finished.append(seq)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
         out = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
@@ -335,6 +388,8 @@ class LLMEngine:
             self._running[seq.slot] = last
         seq.slot = -1
         seq.state = SeqState.FINISHED
+        if self.spec is not None:
+            self.spec.drafter.release(seq)
 
     def _finish(self, seq: Sequence) -> GenerateResult:
         seq.finished_at = time.perf_counter()
@@ -345,7 +400,14 @@ class LLMEngine:
             self.stats.aborted += 1
         return seq.result(self.engine_id)
 
+    def spec_stats(self) -> dict:
+        """Speculative-decoding counters (vLLM's names); empty when speculation is off."""
+        return self.spec.stats() if self.spec is not None else {}
+
     def stats_dict(self) -> dict:
-        return self.stats.as_dict(
+        d = self.stats.as_dict(
             waiting=len(self._waiting), running=len(self._running), cached_tokens=self.prefix_cache.cached_tokens
         )
+        if self.spec is not None:
+            d.update(self.spec.stats())
+        return d

@@ -59,3 +59,10 @@ class SlotKVCache:
     def move(self, src: int, dst: int, length: int) -> None:
         if src != dst and length > 0:
             self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
+
+    def copy_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Within one slot, KV of positions ``src`` to positions ``dst`` (an accepted draft path that
+        was verified at tree positions moves to consecutive ones)."""
+        if src != dst:
+            d = self.data.device
+            self.data[:, :, slot, :, torch.tensor(dst, device=d)] = self.data[:, :, slot, :, torch.tensor(src, device=d)]

@@ -10,6 +10,7 @@ from torch import nn
 
 from arborl.engine.kv_cache import SlotKVCache
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
+from arborl.models.quantize import is_low_precision, load_serving_weights
 from arborl.types import ArborlError
 
 
@@ -109,8 +110,68 @@ class ModelRunner:
         h = decoder_hidden(self.model, ids, pos.unsqueeze(1), make_attend)
         return lm_logits(self.model, h[:, -1])
 
+    @torch.inference_mode()
+    def verify(self, items: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+        """One forward over draft trees, one per sequence. Each item is (slot, start, token_ids,
+        parents): node 0 is the sequence's last token at position ``start`` (the slot holds KV for
+        [0, start)), node i > 0 hangs under ``parents[i]`` and sits at position start + its depth; its
+        KV goes to slot position start + i. A node attends to the slot's [0, start) and to its own
+        ancestors. Returns logits [len(items), max nodes, vocab] (padding rows are garbage)."""
+        b = len(items)
+        width = max(len(t) for _, _, t, _ in items)
+        length = max(start + len(t) for _, start, t, _ in items)
+        self.kv.ensure(length)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        pos = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, 1, width, length, dtype=torch.bool)
+        w_rows, w_cols, w_slots, w_pos = [], [], [], []
+        for r, (slot, start, toks, parents) in enumerate(items):
+            n = len(toks)
+            ids[r, :n] = torch.tensor(toks)
+            depth = [0] * n
+            anc = torch.zeros(n, n, dtype=torch.bool)
+            for i in range(n):
+                p = parents[i]
+                if p >= 0:
+                    depth[i] = depth[p] + 1
+                    anc[i] = anc[p]
+                anc[i, i] = True
+            pos[r, :n] = start + torch.tensor(depth)
+            mask[r, 0, :, :start] = True  # padding rows see the prefix too (no all-masked row: NaN)
+            mask[r, 0, :n, start : start + n] = anc
+            if start == 0:
+                mask[r, 0, n:, 0] = True
+            w_rows += [r] * n
+            w_cols += range(n)
+            w_slots += [slot] * n
+            w_pos += range(start, start + n)
+        dev = self.device
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        w_rows_t, w_cols_t = torch.tensor(w_rows, device=dev), torch.tensor(w_cols, device=dev)
+        w_slots_t, w_pos_t = torch.tensor(w_slots, device=dev), torch.tensor(w_pos, device=dev)
+        slot_ids = [slot for slot, _, _, _ in items]
+        # running sequences fill slots 0..n-1 in order: a view then, not a gather
+        slots = slice(0, b) if slot_ids == list(range(b)) else torch.tensor(slot_ids, device=dev)
+
+        def make_attend(layer_idx: int):
+            kc, vc = self.kv.layer(layer_idx)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                kc[w_slots_t, :, w_pos_t] = k[w_rows_t, :, w_cols_t]
+                vc[w_slots_t, :, w_pos_t] = v[w_rows_t, :, w_cols_t]
+                return F.scaled_dot_product_attention(
+                    q, kc[slots, :, :length], vc[slots, :, :length], attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
+                )
+
+            return attend
+
+        h = decoder_hidden(self.model, ids, pos, make_attend)
+        return lm_logits(self.model, h)
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if is_low_precision(self.model):  # int8 / FP8 serving copy: re-quantise what arrives (I5)
+            return load_serving_weights(self.model, state)
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         unknown = sorted(set(state) - set(params))

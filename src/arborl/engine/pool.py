@@ -126,8 +126,13 @@ class EnginePool:
 
     # -- observing ---------------------------------------------------------------------------------
     def engine_rows(self) -> list[dict[str, Any]]:
-        return [{"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down}
-                for i, e in enumerate(self.engines)]
+        return [{"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down,
+                 **_spec_stats(e)} for i, e in enumerate(self.engines)]
+
+    def spec_stats(self) -> dict[str, float]:
+        """Speculative decoding over every engine (counters summed); empty when it is off."""
+        from arborl.engine.spec.metrics import combine
+        return combine([_spec_stats(e) for e in self.engines])
 
     def dispatch_stats(self) -> dict[str, float]:
         """The dispatcher's counters (pieces, migrations, resumed, ...); empty under affinity placement."""
@@ -136,3 +141,9 @@ class EnginePool:
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
+
+
+def _spec_stats(e: Any) -> dict:
+    """An engine's speculative-decoding counters ({} when off, or for a backend without them)."""
+    fn = getattr(getattr(e, "engine", None), "spec_stats", None)
+    return fn() if callable(fn) else {}

@@ -38,6 +38,7 @@ from arborl.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FinishPost,
+    InteractionPost,
     RewardPost,
     SessionCreate,
     parse,
@@ -229,6 +230,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         s = gw.sessions.for_path(_key(request), session_id)
         spec = parse(RewardPost, await _body(request))
         return await gw.add_reward(s, spec.value, name=spec.name, call_id=spec.call_id)
+
+    @app.post("/v1/sessions/{session_id}/interaction", dependencies=_bearer,
+              openapi_extra=_body_doc(InteractionPost))
+    async def interaction(session_id: str, request: Request) -> dict:
+        s = gw.sessions.for_path(_key(request), session_id)
+        spec = parse(InteractionPost, await _body(request))
+        await gw.add_interaction(s, spec.model_dump())
+        return {"session_id": s.session_id, "interactions": len(s.episode.interactions)}
 
     @app.post("/v1/sessions/{session_id}/finish", dependencies=_bearer,
               openapi_extra=_body_doc(FinishPost, required=False))

@@ -130,6 +130,14 @@ class RewardPost(_Body):
     call_id: str | None = None
 
 
+class InteractionPost(_Body):
+    """An environment interaction (a tool run, an observation) to append to the episode; any fields.
+
+    ``kind`` names it (e.g. "tool"); the other fields are kept as given (JSON values)."""
+
+    kind: str = Field("interaction", min_length=1)
+
+
 class FinishPost(_Body):
     status: Literal["finished", "failed", "aborted"] = "finished"
 

@@ -80,6 +80,7 @@ class RequestRun:
         self.engine = self.lease.engine
         for j in self.choices:
             j.meta["routing"] = self.lease.how
+            j.request.group_id = s.episode.group_id  # speculative drafts share the group's tokens
         self.ctx.stats.add("requests", 1)
         self._queue = asyncio.Queue() if self.stream else None
         producers = [asyncio.ensure_future(self._produce(j)) for j in self.choices]

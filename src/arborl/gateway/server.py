@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -30,9 +31,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _config(gateway: Gateway, log_level: str) -> uvicorn.Config:
+def _config(gateway: Gateway, log_level: str, mounts: dict[str, Any] | None = None) -> uvicorn.Config:
+    app = create_app(gateway)
+    for path, sub in (mounts or {}).items():  # other ASGI apps beside the gateway's routes (the dashboard)
+        app.mount(path, sub)
     return uvicorn.Config(
-        create_app(gateway),
+        app,
         log_level=log_level,
         access_log=False,
         lifespan="on",
@@ -95,11 +99,13 @@ class GatewayServer:
         self.stop()
 
 
-def serve_forever(gateway: Gateway, sock: socket.socket, *, on_ready=None, log_level: str = "warning") -> None:
-    """Serve on the bound ``sock`` in the foreground until Ctrl-C / SIGTERM (uvicorn handles the signals)."""
+def serve_forever(gateway: Gateway, sock: socket.socket, *, on_ready=None, log_level: str = "warning",
+                  mounts: dict[str, Any] | None = None) -> None:
+    """Serve on the bound ``sock`` in the foreground until Ctrl-C / SIGTERM (uvicorn handles the signals);
+    ``mounts``: path -> ASGI app served beside the gateway."""
     if on_ready is not None:
         on_ready(sock.getsockname()[1])
     try:
-        uvicorn.Server(_config(gateway, log_level)).run(sockets=[sock])
+        uvicorn.Server(_config(gateway, log_level, mounts)).run(sockets=[sock])
     finally:
         sock.close()

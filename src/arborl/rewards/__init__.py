@@ -1,4 +1,5 @@
-"""Rewards (outcome components, per-turn placement) and advantage estimators (GRPO, Dr.GRPO, reward-to-go)."""
+"""Rewards (outcome components, per-turn placement, shaping) and advantage estimators (GRPO, Dr.GRPO, RLOO,
+REINFORCE++, reward-to-go, auto)."""
 
 from arborl.rewards.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -6,25 +7,40 @@ from arborl.rewards.advantages import (
     broadcast_to_tokens,
     group_index,
     grpo_advantages,
+    has_process_rewards,
     pad_turns,
+    process_advantages,
+    process_rewards,
     reward_to_go,
     reward_to_go_advantages,
+    rloo_advantages,
     subtract_baseline,
+    whiten,
+    with_process,
     zero_variance_groups,
     zero_variance_mask,
 )
+from arborl.rewards.chunk_returns import chunk_return_advantages, chunk_returns  # registers chunk_returns
 from arborl.rewards.outcome import turn_rewards
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "chunk_return_advantages",
+    "chunk_returns",
     "Estimator",
     "broadcast_to_tokens",
     "group_index",
     "grpo_advantages",
+    "has_process_rewards",
     "pad_turns",
+    "process_advantages",
+    "process_rewards",
     "reward_to_go",
     "reward_to_go_advantages",
+    "rloo_advantages",
     "subtract_baseline",
+    "whiten",
+    "with_process",
     "turn_rewards",
     "zero_variance_groups",
     "zero_variance_mask",

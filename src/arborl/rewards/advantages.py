@@ -1,5 +1,6 @@
-r"""Advantage estimators: GRPO / Dr.GRPO on outcome rewards, reward-to-go on per-turn rewards (C3),
-and the broadcast of per-sample or per-turn values onto tokens (chunked MDP, C4).
+r"""Advantage estimators: GRPO / Dr.GRPO, RLOO, REINFORCE++ (and its baseline variant) on outcome
+rewards, process rewards on their turns under every one of them (C1), reward-to-go on per-turn rewards
+(C3, and ``auto``), and the broadcast of per-sample or per-turn values onto tokens (chunked MDP, C4).
 
 Shapes: N samples (episodes), K turns (= chunks), T tokens. ``group_ids`` is one hashable per
 sample (``Sample.group_id`` strings, ints, or a 1-D tensor); samples of one group answered the same task.
@@ -60,12 +61,16 @@ def _as_f64(x: Sequence[float] | Tensor) -> tuple[Tensor, torch.dtype]:
     return torch.as_tensor(x, dtype=torch.float64), torch.get_default_dtype()
 
 
-def _group_mean_std(values: Tensor, index: Tensor, groups: int, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-group mean and population std (divide by the count) of ``values`` [M] with optional 0/1 ``weight``."""
+def _group_mean_std(
+    values: Tensor, index: Tensor, groups: int, weight: Tensor | None = None, *, unbiased: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-group mean and std of ``values`` [M] with optional 0/1 ``weight``: the population std (divide
+    by the count n) or, ``unbiased``, the sample std (divide by n - 1; a group of one has std 0)."""
     w = torch.ones_like(values) if weight is None else weight.to(values.dtype)
-    count = values.new_zeros(groups).index_add_(0, index, w).clamp(min=1)
-    mean = values.new_zeros(groups).index_add_(0, index, w * values) / count
-    var = values.new_zeros(groups).index_add_(0, index, w * (values - mean[index]) ** 2) / count
+    count = values.new_zeros(groups).index_add_(0, index, w)
+    mean = values.new_zeros(groups).index_add_(0, index, w * values) / count.clamp(min=1)
+    dof = (count - 1 if unbiased else count).clamp(min=1)
+    var = values.new_zeros(groups).index_add_(0, index, w * (values - mean[index]) ** 2) / dof
     return mean, var.sqrt()
 
 
@@ -78,15 +83,17 @@ def grpo_advantages(
     *,
     std_normalize: bool = True,
     eps: float = 1e-6,
+    unbiased: bool = False,
 ) -> Tensor:
     r"""Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath), one per sample.
 
         A_i = (R_i - mean_{j in g(i)} R_j) / (std_{j in g(i)} R_j + eps)     std_normalize=True
         A_i =  R_i - mean_{j in g(i)} R_j                                    std_normalize=False
 
-    std is the population std of the group (divide by G, not G-1), so a group of one is defined
-    (A = 0). A zero-variance group gets A = 0 for all its samples; it carries no learning signal —
-    drop it with :func:`zero_variance_mask` and count it.
+    std is the population std of the group (divide by G) or, ``unbiased``, the sample std (divide
+    by G - 1: verl's and TRL's ``torch.std``, what ``train.advantage.std=unbiased`` -- the config
+    default -- selects). A group of one has A = 0 either way. A zero-variance group gets A = 0 for all
+    its samples; it carries no learning signal — drop it with :func:`zero_variance_mask` and count it.
 
     Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") = ``std_normalize=False``
     here PLUS the constant length normaliser, which is a loss-aggregation choice, not an advantage:
@@ -98,11 +105,37 @@ def grpo_advantages(
     r, dtype = _as_f64(rewards)
     r = r.reshape(-1)
     index, keys = group_index(group_ids, r.numel())
-    mean, std = _group_mean_std(r, index, len(keys))
+    mean, std = _group_mean_std(r, index, len(keys), unbiased=unbiased)
     adv = r - mean[index]
     if std_normalize:
         adv = adv / (std[index] + eps)
     return adv.to(dtype)
+
+
+def rloo_advantages(rewards: Sequence[float] | Tensor, group_ids: GroupIds) -> Tensor:
+    r"""REINFORCE leave-one-out (RLOO, Kool et al. 2019; Ahmadian et al. 2024), one per sample:
+
+        A_i = R_i - 1/(G-1) sum_{j in g(i), j != i} R_j  =  G/(G-1) (R_i - mean_{g(i)} R)
+
+    a baseline that does not contain the sample's own reward (unbiased). A group of one has A = 0.
+    Computed in float64, returned as :func:`grpo_advantages` does."""
+    r, dtype = _as_f64(rewards)
+    r = r.reshape(-1)
+    index, keys = group_index(group_ids, r.numel())
+    count = r.new_zeros(len(keys)).index_add_(0, index, torch.ones_like(r))[index]
+    total = r.new_zeros(len(keys)).index_add_(0, index, r)[index]
+    adv = torch.where(count > 1, r - (total - r) / (count - 1).clamp(min=1), 0.0)
+    return adv.to(dtype)
+
+
+def whiten(values: Tensor, mask: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
+    r"""Batch normalisation of REINFORCE++ (Hu 2025): ``(x - mean) / (std + eps)`` over the valid entries
+    (``mask``; all when None), std the sample std (n - 1) as verl's ``masked_whiten``; 0 off the mask."""
+    x = _as_float(values)
+    m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    flat = x.reshape(-1)
+    mean, std = _group_mean_std(flat, torch.zeros_like(flat, dtype=torch.long), 1, m.reshape(-1), unbiased=True)
+    return torch.where(m, (x - mean[0]) / (std[0] + eps), 0.0)
 
 
 def zero_variance_mask(rewards: Sequence[float] | Tensor, group_ids: GroupIds, *, tol: float = 0.0) -> Tensor:
@@ -182,12 +215,14 @@ def subtract_baseline(
     baseline: Tensor | float | None = None,
     std_normalize: bool = False,
     eps: float = 1e-6,
+    unbiased: bool = False,
 ) -> Tensor:
     r"""Advantages from per-turn returns G [N, K]: ``A_{n,t} = G_{n,t} - b``.
 
     ``baseline`` given (scalar, [N] per sample, or [N, K] per turn): b is it. Otherwise b is the
     group mean of the returns over every valid turn of every sample of the group (longer episodes
-    weigh more), and with ``std_normalize`` A is divided by that pooled group std + eps.
+    weigh more), and with ``std_normalize`` A is divided by that pooled group std + eps (population,
+    or the sample std with ``unbiased``).
     Returns A [N, K], 0 on padding turns.
     """
     g = _as_float(returns)
@@ -202,7 +237,7 @@ def subtract_baseline(
             raise ValueError("subtract_baseline needs group_ids (group-mean baseline) or an explicit baseline")
         index, keys = group_index(group_ids, g.shape[0])
         rows = index[:, None].expand_as(g).reshape(-1)
-        mean, std = _group_mean_std(g.reshape(-1), rows, len(keys), weight=m.reshape(-1))
+        mean, std = _group_mean_std(g.reshape(-1), rows, len(keys), weight=m.reshape(-1), unbiased=unbiased)
         adv = g - mean[index][:, None]
         if std_normalize:
             adv = adv / (std[index][:, None] + eps)
@@ -217,11 +252,12 @@ def reward_to_go_advantages(
     std_normalize: bool = False,
     eps: float = 1e-6,
     turn_mask: Tensor | None = None,
+    unbiased: bool = False,
 ) -> Tensor:
     """reward_to_go then the group-mean baseline: per-turn advantages A [N, K] (0 on padding)."""
     r, m = _turns(step_rewards, turn_mask)
     returns = reward_to_go(r, gamma=gamma, turn_mask=m)
-    return subtract_baseline(returns, group_ids, turn_mask=m, std_normalize=std_normalize, eps=eps)
+    return subtract_baseline(returns, group_ids, turn_mask=m, std_normalize=std_normalize, eps=eps, unbiased=unbiased)
 
 
 # ----------------------------------------------------------------------------- onto tokens (C4)
@@ -252,6 +288,66 @@ def broadcast_to_tokens(values: Tensor | Sequence[float], mask: Tensor, chunk_id
     return torch.where(m, out, 0.0)
 
 
+# ----------------------------------------------------------------------------- process rewards (C1)
+
+
+def process_rewards(rewards: Sequence[float] | Tensor, turns: TurnRewards) -> tuple[Tensor, Tensor]:
+    """The process part of per-turn rewards: ``(p [N, K] float64, turn_mask [N, K])`` where ``turns`` are
+    :func:`arborl.rewards.outcome.turn_rewards` (process reward of each turn, the outcome R added to the
+    last turn), so p is ``turns`` with R taken off the last turn. 0 on padding."""
+    p, m = _turns(turns, None)
+    p = p.to(torch.float64).clone()
+    r = _as_f64(rewards)[0].reshape(-1)
+    if p.shape[0] != r.numel():
+        raise ValueError(f"{p.shape[0]} episodes of turn rewards but {r.numel()} outcome rewards")
+    last = m.sum(dim=1) - 1
+    rows = (last >= 0).nonzero().flatten()
+    p[rows, last[rows]] -= r[rows]
+    return torch.where(m, p, 0.0), m
+
+
+def process_advantages(
+    process: Tensor,
+    turn_mask: Tensor,
+    group_ids: GroupIds | None,
+    *,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+    unbiased: bool = True,
+) -> Tensor:
+    r"""Group-normalised process rewards, one per turn (C1 under a per-episode estimator):
+
+        P_{n,k} = (p_{n,k} - mean_{g(n)} p) / (std_{g(n)} p + eps)
+
+    mean and std pooled over every turn of every episode of the group (``group_ids`` None: over the
+    whole batch); without ``std_normalize`` only the mean is subtracted. A group whose process rewards
+    are all equal (e.g. all 0) gets P = 0. Returns [N, K], 0 on padding."""
+    ids = [0] * process.shape[0] if group_ids is None else group_ids
+    return subtract_baseline(process, ids, turn_mask=turn_mask, std_normalize=std_normalize, eps=eps,
+                             unbiased=unbiased)
+
+
+def with_process(outcome_adv: Tensor, rewards: Tensor, turns: TurnRewards, group_ids: GroupIds | None,
+                 cfg: "AdvantageConfig") -> Tensor:
+    r"""A per-episode advantage A_n plus the normalised process reward of each turn (C1):
+
+        A_{n,k} = A_n + P_{n,k}        (:func:`process_advantages`; [N, K])
+
+    so the outcome's credit reaches every turn of the episode and a turn's own process reward moves only
+    that turn's tokens. Without any non-zero process reward in the batch this is A_n itself ([N])."""
+    p, m = process_rewards(rewards, turns)
+    if not bool((p != 0).any()):
+        return outcome_adv
+    term = process_advantages(p, m, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps,
+                              unbiased=cfg.std == "unbiased")
+    return torch.where(m, outcome_adv.to(torch.float64)[:, None] + term, 0.0)
+
+
+def has_process_rewards(rewards: Tensor, turns: TurnRewards) -> bool:
+    """True when any episode carries a non-zero process reward."""
+    return bool((process_rewards(rewards, turns)[0] != 0).any())
+
+
 # ----------------------------------------------------------------------------- estimators by name
 
 
@@ -270,12 +366,61 @@ ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
-    """GRPO (Dr.GRPO without std normalisation) on the outcome reward: one value per episode."""
-    return grpo_advantages(rewards, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps)
+    """GRPO (Dr.GRPO without std normalisation) on the outcome reward, plus the group-normalised process
+    reward of each turn when there are process rewards (:func:`with_process`)."""
+    adv = grpo_advantages(rewards, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps,
+                          unbiased=cfg.std == "unbiased")
+    return with_process(adv, rewards, turns, group_ids, cfg)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
+    """RLOO on the outcome reward (leave-one-out group baseline), plus the group-normalised process
+    reward of each turn when there are process rewards."""
+    return with_process(rloo_advantages(rewards, group_ids), rewards, turns, group_ids, cfg)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
+                           cfg: "AdvantageConfig") -> Tensor:
+    r"""REINFORCE++ (Hu 2025; verl ``reinforce_plus_plus`` without the KL-in-reward): discounted returns
+    of every turn, normalised over the whole batch, no baseline:
+
+        A_{n,k} = whiten(G)_{n,k},   G_{n,k} = sum_{j>=k} gamma^{j-k} r_{n,j}
+
+    (process rewards included; ``gamma`` the knob). Each turn counts once in the batch statistics
+    (verl counts each token)."""
+    r, m = _turns(turns, None)
+    return whiten(reward_to_go(r, gamma=cfg.gamma, turn_mask=m), m, eps=cfg.eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
+                                    cfg: "AdvantageConfig") -> Tensor:
+    r"""REINFORCE++-baseline (verl ``reinforce_plus_plus_baseline``): the turn returns minus their group
+    mean (the GRPO baseline without its std), then normalised over the whole batch:
+
+        A = whiten(G - mean_{g(n)} G)
+
+    With outcome rewards only and gamma = 1 this is verl's (R - group mean) whitened over the batch."""
+    r, m = _turns(turns, None)
+    centred = subtract_baseline(reward_to_go(r, gamma=cfg.gamma, turn_mask=m), group_ids, turn_mask=m)
+    return whiten(centred, m, eps=cfg.eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("reward_to_go")
 def reward_to_go_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
                            cfg: "AdvantageConfig") -> Tensor:
     """Reward-to-go from each turn minus the group mean (C3), one value per turn (C4)."""
-    return reward_to_go_advantages(turns, group_ids, gamma=cfg.gamma, std_normalize=cfg.std_normalize, eps=cfg.eps)
+    return reward_to_go_advantages(turns, group_ids, gamma=cfg.gamma, std_normalize=cfg.std_normalize, eps=cfg.eps,
+                                   unbiased=cfg.std == "unbiased")
+
+
+@ADVANTAGE_ESTIMATORS.register("auto")
+def auto_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
+    """reward_to_go discounted by ``auto_gamma`` when any episode of the batch has a process reward (C3: the
+    multi-turn default), else GRPO on the outcome."""
+    if has_process_rewards(rewards, turns):
+        return reward_to_go_advantages(turns, group_ids, gamma=cfg.auto_gamma, std_normalize=cfg.std_normalize,
+                                       eps=cfg.eps, unbiased=cfg.std == "unbiased")
+    return grpo_estimator(rewards, turns, group_ids, cfg)

@@ -4,6 +4,12 @@
     prefill (s)      = prefill_base_s + prefill_per_token_s * tokens
     KV migration (s) = transfer_per_token_s * tokens          (scheduling.migration = transfer)
 
+Speculative decoding (``spec_acceptance`` a > 0): a verify step with k draft tokens per sequence runs
+B * (1 + k) tokens, ``decode_base_s + decode_per_seq_s * B * (1 + k)`` plus the KV reads, and yields
+E(k) = 1 + a + ... + a^k tokens per sequence; the engine's adaptive rule takes the k (0 = plain
+decoding) with the least time per token, so a token of a batch of B costs ``spec_factor(B)`` times a
+plain step: well below 1 at the small batches of the tail, 1 where the batch is compute-bound.
+
 ``fit_decode`` / ``fit_prefill`` are least-squares fits of those lines to (batch, context, seconds)
 and (tokens, seconds) measurements; ``arborl.sim.calibrate`` takes the measurements on the built-in
 engine. The defaults describe a GPU serving instance (a ~30B dense model on 8 accelerators: a flat
@@ -28,22 +34,40 @@ class CostModel:
     kv_capacity_tokens: int = 1_000_000
     max_batch: int = 256
     weight_update_s: float = 20.0
+    spec_acceptance: float = 0.0
+    spec_max_k: int = 4
+
+    def spec_factor(self, batch: int) -> float:
+        """Time per generated token relative to plain decoding, at the best draft length (<= 1)."""
+        a = self.spec_acceptance
+        if a <= 0 or batch <= 0:
+            return 1.0
+        plain = self.decode_base_s + self.decode_per_seq_s * batch
+        best = 1.0
+        for k in range(1, self.spec_max_k + 1):
+            gain = sum(a**j for j in range(k + 1))
+            best = min(best, (self.decode_base_s + self.decode_per_seq_s * batch * (1 + k)) / (plain * gain))
+        return best
 
     def step_s(self, batch: int, context: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context
+        """Seconds per generated token of every sequence of the batch (a decode step, or a verify step
+        divided by the tokens it yields)."""
+        plain = self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context
+        return plain * self.spec_factor(batch)
 
     def steps_s(self, batch: int, context: int, steps: int) -> float:
         """Seconds of ``steps`` decode steps of a fixed batch whose total context starts at ``context``
         and grows by ``batch`` tokens a step."""
         if steps <= 0:
             return 0.0
-        return steps * self.step_s(batch, context) + self.decode_per_ctx_token_s * batch * steps * (steps - 1) / 2
+        growth = self.decode_per_ctx_token_s * batch * steps * (steps - 1) / 2 * self.spec_factor(batch)
+        return steps * self.step_s(batch, context) + growth
 
     def steps_within(self, batch: int, context: int, seconds: float) -> int:
         """Fewest steps whose duration reaches ``seconds`` (ceil of the quadratic's root)."""
         if seconds <= 0:
             return 0
-        qa = self.decode_per_ctx_token_s * batch / 2
+        qa = self.decode_per_ctx_token_s * batch / 2 * self.spec_factor(batch)
         qb = self.step_s(batch, context) - qa
         if qa <= 1e-18:
             s = seconds / qb

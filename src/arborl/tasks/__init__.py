@@ -1,5 +1,6 @@
 """Task suites, by name (``rollout.task``): the built-in ``calculator``, ``arith``, ``even_tokens`` and
-``dataset`` (prompts from files, ``rollout.data``), or a user's own as ``package.module:attr`` /
+``dataset`` (prompts from files, ``rollout.data``), ``code_repair`` (buggy repositories with hidden tests,
+``rollout.code_repair``; ``tasks/code_repair/``), or a user's own as ``package.module:attr`` /
 ``path/to/file.py:attr``.
 
 A registry entry is a factory ``(rollout: RolloutConfig) -> TaskSuite`` (a suite class whose
@@ -17,6 +18,8 @@ from arborl.registry import Registry
 from arborl.tasks.arith import ArithSuite
 from arborl.tasks.base import ConfiguredSuite, SuiteFactory, TaskSuite
 from arborl.tasks.calculator import CalculatorSuite
+from arborl.tasks.process_rewards import ProcessRewardRules
+from arborl.tasks.chain import ChainSuite
 from arborl.tasks.data_files import DatasetError
 from arborl.tasks.dataset import DatasetSuite
 from arborl.tasks.reward_fn import REWARD_FUNCTIONS, RewardFunction, RewardFunctionError
@@ -24,13 +27,16 @@ from arborl.tasks.toy import EvenTokensSuite
 
 if TYPE_CHECKING:
     from arborl.config import RolloutConfig
+    from arborl.tasks.code_repair import CodeRepairSuite
 
 TASK_SUITES: Registry[SuiteFactory] = Registry("task suite")
 
 
 @TASK_SUITES.register("calculator")
 def _calculator(rollout: "RolloutConfig") -> CalculatorSuite:
-    return CalculatorSuite(in_context_example=rollout.in_context_example, max_turns=rollout.max_turns)
+    rules = ProcessRewardRules() if rollout.process_penalties else ProcessRewardRules(0.0, 0.0, 0.0)
+    return CalculatorSuite(in_context_example=rollout.in_context_example, max_turns=rollout.max_turns,
+                           process_rules=rules)
 
 
 @TASK_SUITES.register("arith")
@@ -43,9 +49,27 @@ def _even_tokens(rollout: "RolloutConfig") -> EvenTokensSuite:
     return EvenTokensSuite()
 
 
+@TASK_SUITES.register("chain")
+def _chain(rollout: "RolloutConfig") -> ChainSuite:
+    return ChainSuite(steps=max(1, rollout.max_turns - 1), in_context_example=rollout.in_context_example)
+
+
+@TASK_SUITES.register("chain_tokens")
+def _chain_tokens(rollout: "RolloutConfig") -> ChainSuite:
+    return ChainSuite(steps=rollout.max_turns, tokens=True)
+
+
 @TASK_SUITES.register("dataset")
 def _dataset(rollout: "RolloutConfig") -> DatasetSuite:
     return DatasetSuite(rollout.data, max_turns=rollout.max_turns, eval_tasks=rollout.eval_tasks)
+
+
+@TASK_SUITES.register("code_repair")
+def _code_repair(rollout: "RolloutConfig") -> "CodeRepairSuite":
+    from arborl.tasks.code_repair import CodeRepairSuite  # materialises its tasks: only when asked for
+
+    return CodeRepairSuite(rollout.code_repair, envs=rollout.envs, max_turns=rollout.max_turns,
+                           command_timeout_s=rollout.envs.wall_s)
 
 
 def make_suite(rollout: "RolloutConfig") -> ConfiguredSuite:

@@ -1,5 +1,6 @@
 """Calculator tool use: arithmetic questions at several difficulty levels, a ``calculator`` tool the
-environment executes, reward 1 for a correct final answer.
+environment executes, reward 1 for a correct final answer, and process rewards (C1) on the turn that
+earned them: a malformed tool call, a tool error, language mixing (``tasks/process_rewards.py``).
 
 Everything is generated from a seed (no data files): ``make_tasks(split, n, seed)``. The train and
 eval splits draw from disjoint seeds so held-out questions are never trained on.
@@ -15,6 +16,7 @@ import re
 from typing import Any, Callable
 
 from arborl.agents import AgentLoop, AgentOutcome, ReActAgent, Tool
+from arborl.tasks.process_rewards import ProcessRewardRules, RewardingAgent
 from arborl.types import Call, Task
 
 TOOL_SCHEMA = {
@@ -165,10 +167,12 @@ class CalculatorSuite:
 
     name = "calculator"
 
-    def __init__(self, *, in_context_example: bool = True, max_turns: int = 3, levels: tuple[int, ...] = (1, 2, 3)):
+    def __init__(self, *, in_context_example: bool = True, max_turns: int = 3, levels: tuple[int, ...] = (1, 2, 3),
+                 process_rules: ProcessRewardRules | None = None):
         self.in_context_example = in_context_example
         self.max_turns = max_turns
         self.levels = levels
+        self.process_rules = process_rules or ProcessRewardRules()
 
     def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
         tasks = make_tasks(split, n, seed, self.levels)
@@ -184,7 +188,8 @@ class CalculatorSuite:
             description=TOOL_SCHEMA["function"]["description"],
             parameters=TOOL_SCHEMA["function"]["parameters"],
         )
-        return ReActAgent([tool], system_prompt=SYSTEM_PROMPT, max_turns=self.max_turns, **sampling)
+        agent = ReActAgent([tool], system_prompt=SYSTEM_PROMPT, max_turns=self.max_turns, **sampling)
+        return RewardingAgent(agent, self.process_rules)
 
     def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
         answer = outcome.answer if outcome is not None and outcome.answer else ""

@@ -1,9 +1,11 @@
-"""Training: samples from recorded calls (``samples``), policy-gradient losses (``losses``),
-training-inference mismatch corrections (``corrections``), packing (``packing``, flat and tree) and
-the trainer (``trainer``) that runs them; ``checkpoint`` saves and resumes it."""
+"""Training: samples from recorded calls (``samples``), policy-gradient losses (``losses``: PPO, CISPO and
+the registry; ``policy_losses``: GSPO, GMPO, SAPO, Clip-Cov, KL-Cov, IPA), training-inference mismatch and
+decoupled-PPO weights (``corrections``), packing (``packing``, flat and tree) and the trainer
+(``trainer``) that runs them; ``checkpoint`` saves and resumes it."""
 
-from arborl.train.corrections import rollout_correction
+from arborl.train.corrections import decoupled_weights, rollout_correction
 from arborl.train.losses import (
+    POLICY_LOSSES,
     aggregate,
     cispo_token_loss,
     entropy_from_logits,
@@ -12,14 +14,30 @@ from arborl.train.losses import (
     ppo_clip_token_loss,
     token_logprobs,
 )
+from arborl.train.policy_losses import (
+    clip_cov_token_loss,
+    gmpo_token_loss,
+    gspo_token_loss,
+    ipa_token_loss,
+    kl_cov_token_loss,
+    sapo_token_loss,
+)
 
 __all__ = [
+    "POLICY_LOSSES",
     "aggregate",
     "cispo_token_loss",
+    "clip_cov_token_loss",
+    "decoupled_weights",
     "entropy_from_logits",
+    "gmpo_token_loss",
+    "gspo_token_loss",
+    "ipa_token_loss",
+    "kl_cov_token_loss",
     "kl_penalty",
     "policy_loss",
     "ppo_clip_token_loss",
     "rollout_correction",
+    "sapo_token_loss",
     "token_logprobs",
 ]

@@ -47,8 +47,9 @@ Level = Literal["token", "sequence", "geometric", "chunk"]
 LOG_RATIO_CLAMP = 20.0  # unit log-ratios are clamped to [-20, 20] before exp: no inf weights
 
 
-def _chunk_mean(log_ratio: Tensor, m: Tensor, chunk_ids: Tensor) -> Tensor:
-    """Mean of log_ratio over the loss tokens of each (sample, chunk), broadcast back to [B, T]."""
+def chunk_mean(log_ratio: Tensor, m: Tensor, chunk_ids: Tensor) -> Tensor:
+    """Mean of log_ratio over the loss tokens of each (sample, chunk), broadcast back to [B, T]; differentiable
+    in log_ratio (the IPA loss takes its chunk ratio through it)."""
     c = torch.where(m, torch.as_tensor(chunk_ids, device=log_ratio.device).long(), 0)
     if bool((c < 0).any()):
         raise ValueError("chunk_ids of loss tokens must be >= 0")
@@ -119,7 +120,7 @@ def rollout_correction(
         elif level == "geometric":
             unit = (log_ratio.sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
         else:
-            unit = _chunk_mean(log_ratio, m, chunk_ids)
+            unit = chunk_mean(log_ratio, m, chunk_ids)
         rho = torch.exp(unit.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
         if mode == "none":
@@ -172,3 +173,35 @@ _METRIC_KEYS = (
     "mismatch/weight_mean",
     "mismatch/tokens",
 )
+
+
+def decoupled_weights(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, cap: float | None = 5.0
+) -> tuple[Tensor, dict[str, float]]:
+    r"""Decoupled PPO's behaviour weight (AReaL, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
+    Reinforcement Learning System for Language Reasoning"; Hilton et al. 2022, "Batch size-invariance
+    for policy optimization"): stale tokens come from pi_behav, the loss is clipped around the proximal
+    policy pi_prox (the trainer at the start of the step) and each token is re-weighted
+
+        w_t = pi_prox(o_t) / pi_behav(o_t) = exp(prox_logp_t - behav_logp_t),   w_t = 0 if w_t > cap
+
+    (AReaL's ``behav_imp_weight_cap``: such tokens are dropped, not truncated). Returns (w [B, T],
+    detached, 0 off the mask; metrics decoupled/weight_mean, _max, masked_frac, k3_kl = KL(behav || prox)).
+    """
+    if cap is not None and not cap > 0:
+        raise ValueError(f"the decoupled weight cap must be > 0 (or None), got {cap}")
+    with torch.no_grad():
+        m = mask > 0
+        log_w = torch.where(m, proximal_logprobs.detach() - behaviour_logprobs.detach(), 0.0)
+        w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        dropped = m & (w > cap) if cap is not None else torch.zeros_like(m)
+        w = torch.where(m & ~dropped, w, 0.0)
+        n = int(m.sum())
+        lw = log_w.double()[m]
+        metrics = {
+            "decoupled/weight_mean": float(w.double()[m].mean()) if n else 0.0,
+            "decoupled/weight_max": float(w.double()[m].max()) if n else 0.0,
+            "decoupled/masked_frac": float(dropped.sum()) / n if n else 0.0,
+            "decoupled/k3_kl": float((lw.exp() - 1.0 - lw).mean()) if n else 0.0,
+        }
+    return w, metrics

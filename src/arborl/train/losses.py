@@ -30,6 +30,14 @@ import torch
 from torch import Tensor
 
 from arborl.registry import Registry
+from arborl.train.policy_losses import (
+    clip_cov_token_loss,
+    gmpo_token_loss,
+    gspo_token_loss,
+    ipa_token_loss,
+    kl_cov_token_loss,
+    sapo_token_loss,
+)
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -222,6 +230,21 @@ def policy_loss(
     dual_clip: float | None = None,
     cispo_eps_high: float = 0.28,
     cispo_eps_low: float | None = None,
+    gspo_clip_low: float = 3e-4,
+    gspo_clip_high: float = 4e-4,
+    gmpo_clip_low: float = 0.4,
+    gmpo_clip_high: float = 0.4,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    cov_clip_frac: float = 2e-4,
+    cov_clip_lb: float = 1.0,
+    cov_clip_ub: float = 5.0,
+    kl_cov_frac: float = 2e-4,
+    kl_cov_coef: float = 1.0,
+    ipa_clip_low: float = 0.2,
+    ipa_clip_high: float = 0.28,
+    ipa_mask_threshold: float = 2.0,
+    ipa_mask_sides: str = "sign",
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
     entropy_coef: float = 0.0,
@@ -229,13 +252,18 @@ def policy_loss(
     constant_normalizer: float | None = None,
     num_tokens: float | None = None,
     num_samples: float | None = None,
+    chunk_ids: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     r"""The trainer's loss on one (micro-)batch, and its metrics:
 
         L = agg(w * l^pg) + kl_coef * agg(k(logp, ref_logp)) - entropy_coef * agg(H)
 
     l^pg is the token loss registered as ``kind`` in :data:`POLICY_LOSSES` (ppo:
-    :func:`ppo_clip_token_loss`, cispo: :func:`cispo_token_loss`, or a ``module:attr`` path);
+    :func:`ppo_clip_token_loss`, cispo: :func:`cispo_token_loss`, gspo, gmpo, sapo, clip_cov, kl_cov,
+    ipa: :mod:`arborl.train.policy_losses`, or a ``module:attr`` path); it receives every loss knob,
+    the bool loss ``mask``, ``chunk_ids`` and the engine's ``rollout_logprobs`` (both [B, T], only
+    the chunk-level loss ipa needs them) as keywords;
     agg is :func:`aggregate` with ``aggregation`` (and the micro-batch totals ``num_tokens`` /
     ``num_samples``). w (``weights`` [B, T], e.g. from :func:`arborl.train.corrections.rollout_correction`)
     multiplies only the policy-gradient term; tokens it zeroes still count in the denominator.
@@ -247,7 +275,8 @@ def policy_loss(
 
     Metrics (python floats, over this batch's loss tokens): loss/total, loss/pg, loss/kl (mean
     per-token KL to ref), loss/entropy, loss/clip_frac (+ _high, _low, _dual: fraction of tokens
-    whose clip is active), loss/approx_kl (k3 KL(old || new)), loss/ratio_mean/min/max, loss/tokens.
+    whose clip is active; a loss's other masks, e.g. clip_cov's "cov", as loss/<name>_frac),
+    loss/approx_kl (k3 KL(old || new)), loss/ratio_mean/min/max/std (token ratios new / old), loss/tokens.
     """
     token_loss = POLICY_LOSSES.get(kind)
     m = mask > 0
@@ -257,8 +286,16 @@ def policy_loss(
     logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # off the mask: logp = old = 0, ratio 1
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
-    pg_tok, clipped = token_loss(logp, old, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                                 cispo_eps_high=cispo_eps_high, cispo_eps_low=cispo_eps_low)
+    knobs = dict(
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, cispo_eps_high=cispo_eps_high,
+        cispo_eps_low=cispo_eps_low, gspo_clip_low=gspo_clip_low, gspo_clip_high=gspo_clip_high,
+        gmpo_clip_low=gmpo_clip_low, gmpo_clip_high=gmpo_clip_high, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, cov_clip_frac=cov_clip_frac, cov_clip_lb=cov_clip_lb, cov_clip_ub=cov_clip_ub,
+        kl_cov_frac=kl_cov_frac, kl_cov_coef=kl_cov_coef, ipa_clip_low=ipa_clip_low, ipa_clip_high=ipa_clip_high,
+        ipa_mask_threshold=ipa_mask_threshold, ipa_mask_sides=ipa_mask_sides,
+    )
+    rollout = None if rollout_logprobs is None else torch.where(m, rollout_logprobs.detach(), torch.zeros_like(logp))
+    pg_tok, clipped = token_loss(logp, old, adv, mask=m, chunk_ids=chunk_ids, rollout_logprobs=rollout, **knobs)
     if weights is not None:
         pg_tok = pg_tok * torch.where(m, weights.detach(), torch.zeros_like(pg_tok))
 
@@ -287,7 +324,9 @@ def policy_loss(
         ratio = _ratio(logp.detach(), old).double()
         n = int(m.sum())
         frac = {k: float((clipped[k] & m).sum()) / max(n, 1) if k in clipped else 0.0 for k in ("high", "low", "dual")}
+        other = {f"loss/{k}_frac": float((v & m).sum()) / max(n, 1) for k, v in clipped.items() if k not in frac}
         r_mean, r_min, r_max = _masked_stats(ratio, m)
+        r_std = float(ratio[m].std(unbiased=False)) if n else 0.0
         metrics = {
             "loss/total": float(loss),
             "loss/pg": float(pg),
@@ -299,7 +338,9 @@ def policy_loss(
             "loss/ratio_mean": r_mean,
             "loss/ratio_min": r_min,
             "loss/ratio_max": r_max,
+            "loss/ratio_std": r_std,
             "loss/tokens": float(n),
+            **other,
         }
     return loss, metrics
 
@@ -309,8 +350,10 @@ def policy_loss(
 
 class TokenLoss(Protocol):
     """A policy-gradient token loss (``train.loss.kind``): (logp, old_logp, advantages [B, T], the
-    loss knobs as keywords) -> (per-token loss to minimise [B, T], {name: bool mask of tokens whose
-    clip is active}; names "high", "low", "dual" are logged as clip fractions)."""
+    loss knobs and ``mask`` (bool [B, T]), ``chunk_ids``, ``rollout_logprobs`` as keywords; accept
+    ``**_`` for the ones you do not use) -> (per-token loss to minimise [B, T], {name: bool mask of
+    tokens whose clip is active}; names "high", "low", "dual" are logged as clip fractions, others as
+    loss/<name>_frac)."""
 
     def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, **options: Any) -> tuple[Tensor, dict[str, Tensor]]: ...
 
@@ -332,3 +375,44 @@ def _ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: float 
 def _cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, cispo_eps_high: float = 0.28,
            cispo_eps_low: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
     return cispo_token_loss(logp, old_logp, advantages, eps_high=cispo_eps_high, eps_low=cispo_eps_low)
+
+
+@POLICY_LOSSES.register("gspo")
+def _gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
+          gspo_clip_low: float = 3e-4, gspo_clip_high: float = 4e-4, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return gspo_token_loss(logp, old_logp, advantages, mask, clip_low=gspo_clip_low, clip_high=gspo_clip_high)
+
+
+@POLICY_LOSSES.register("gmpo")
+def _gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
+          gmpo_clip_low: float = 0.4, gmpo_clip_high: float = 0.4, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return gmpo_token_loss(logp, old_logp, advantages, mask, clip_low=gmpo_clip_low, clip_high=gmpo_clip_high)
+
+
+@POLICY_LOSSES.register("sapo")
+def _sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, sapo_tau_pos: float = 1.0,
+          sapo_tau_neg: float = 1.05, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return sapo_token_loss(logp, old_logp, advantages, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
+
+
+@POLICY_LOSSES.register("clip_cov")
+def _clip_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
+              clip_low: float = 0.2, clip_high: float = 0.28, cov_clip_frac: float = 2e-4, cov_clip_lb: float = 1.0,
+              cov_clip_ub: float = 5.0, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return clip_cov_token_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                               frac=cov_clip_frac, lb=cov_clip_lb, ub=cov_clip_ub)
+
+
+@POLICY_LOSSES.register("kl_cov")
+def _kl_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
+            kl_cov_frac: float = 2e-4, kl_cov_coef: float = 1.0, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return kl_cov_token_loss(logp, old_logp, advantages, mask, frac=kl_cov_frac, coef=kl_cov_coef)
+
+
+@POLICY_LOSSES.register("ipa")
+def _ipa(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
+         chunk_ids: Tensor | None = None, rollout_logprobs: Tensor | None = None, ipa_clip_low: float = 0.2,
+         ipa_clip_high: float = 0.28, ipa_mask_threshold: float = 2.0, ipa_mask_sides: str = "sign",
+         **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    return ipa_token_loss(logp, old_logp, advantages, mask, chunk_ids, rollout_logprobs, clip_low=ipa_clip_low,
+                          clip_high=ipa_clip_high, threshold=ipa_mask_threshold, sides=ipa_mask_sides)

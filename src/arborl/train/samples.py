@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from arborl.config import AdvantageConfig
+from arborl.config import AdvantageConfig, RewardShapingConfig
 from arborl.prefix import common_prefix_len
 from arborl.rewards import ADVANTAGE_ESTIMATORS, Estimator, broadcast_to_tokens, turn_rewards, zero_variance_mask
+from arborl.rewards.shaping import compose, speed_rewards
 from arborl.types import Call, Episode, EpisodeStatus, FinishReason, Sample
 
 
@@ -104,8 +105,12 @@ def episode_samples(calls: Iterable[Call], *, include_aborted: bool = False) -> 
 
 
 def usable(episode: Episode) -> bool:
-    """Failed or aborted episodes (infrastructure, timeouts) are not trained on."""
-    return episode.status == EpisodeStatus.FINISHED and bool(episode.calls)
+    """Episodes with calls are trained on -- an agent's own failure (an exception, a timeout) is an
+    ordinary low-reward episode -- except infrastructure failures (``meta["infra_error"]``: a worker
+    died, a sandbox did not start, the gateway failed), which say nothing about the policy, and
+    episodes still running."""
+    return (episode.status != EpisodeStatus.RUNNING and bool(episode.calls)
+            and not episode.meta.get("infra_error"))
 
 
 def turn_process_rewards(episode: Episode) -> list[float]:
@@ -128,6 +133,41 @@ def episode_turn_rewards(episode: Episode) -> list[float]:
     return turn_rewards(float(episode.reward or 0.0), len(process), process)
 
 
+def completion_cost(episode: Episode, metric: str) -> float:
+    """How long an episode took to finish (C2): ``wall_time`` = seconds from start to finish (the sum of
+    its calls' latencies when it has no finish time), ``turns`` = kept model calls, ``tokens`` =
+    generated tokens of its kept calls."""
+    calls = kept_calls(episode.calls)
+    if metric == "turns":
+        return float(len(calls))
+    if metric == "tokens":
+        return float(sum(len(c.completion_token_ids) for c in calls))
+    if metric == "wall_time":
+        if episode.finished_at is not None and episode.finished_at >= episode.started_at:
+            return float(episode.finished_at - episode.started_at)
+        return float(sum(c.latency_s for c in calls))
+    raise ValueError(f"unknown completion-time metric {metric!r}: wall_time, turns or tokens")
+
+
+def shaped_rewards(episodes: Sequence[Episode], shaping: RewardShapingConfig) -> tuple[list[float], list[list[float]]]:
+    """(shaped outcome R' [N], per-turn rewards [N][K_n]) of scored, usable episodes under
+    ``train.advantage.shaping`` (``rewards/shaping.py``): process rewards weighted on their turns, the
+    completion-time reward relative to the group and the outcome on the last turn."""
+    outcome = [float(e.reward or 0.0) for e in episodes]
+    speed = [0.0] * len(episodes)
+    if shaping.speed_weight > 0:
+        costs = [completion_cost(e, shaping.speed_metric) for e in episodes]
+        eligible = [o >= 1.0 for o in outcome] if shaping.speed_success_only else None
+        speed = speed_rewards(costs, [e.group_id for e in episodes], eligible)
+    shaped, turns = [], []
+    for e, o, sp in zip(episodes, outcome, speed):
+        r, t = compose(o, turn_process_rewards(e), sp, process_weight=shaping.process_weight,
+                       speed_weight=shaping.speed_weight, outcome_weight=shaping.outcome_weight)
+        shaped.append(r)
+        turns.append(t)
+    return shaped, turns
+
+
 @dataclass
 class BatchStats:
     episodes: int = 0
@@ -141,9 +181,11 @@ def build_samples(
     episodes: Sequence[Episode], adv_cfg: AdvantageConfig, estimator: Estimator | None = None
 ) -> tuple[list[Sample], BatchStats]:
     """The training samples of scored episodes (``episode.reward`` set): unusable episodes and, with
-    ``adv_cfg.drop_zero_variance``, groups whose rewards are all equal are left out (and counted).
-    The estimator (``adv_cfg.estimator`` unless given) makes one advantage per episode or one per turn,
-    and ``broadcast_to_tokens`` puts it on the episode's generated tokens (per turn: by chunk id, C4)."""
+    ``adv_cfg.drop_zero_variance``, groups whose (shaped) outcomes are all equal and that hold no
+    process reward are left out (and counted). Rewards are composed by ``adv_cfg.shaping``
+    (:func:`shaped_rewards`); the estimator (``adv_cfg.estimator`` unless given) makes one advantage per
+    episode or one per turn, and ``broadcast_to_tokens`` puts it on the episode's generated tokens (per
+    turn: by chunk id, C4)."""
     estimator = estimator or ADVANTAGE_ESTIMATORS.get(adv_cfg.estimator)
     stats = BatchStats(episodes=len(episodes))
     kept = [e for e in episodes if usable(e)]
@@ -152,12 +194,16 @@ def build_samples(
         return [], stats
     groups = [e.group_id for e in kept]
     stats.groups = len(set(groups))
-    rewards = torch.tensor([float(e.reward or 0.0) for e in kept], dtype=torch.float64)
+    shaped, turns = shaped_rewards(kept, adv_cfg.shaping)
+    rewards = torch.tensor(shaped, dtype=torch.float64)
     zero = [False] * len(kept)
     if adv_cfg.drop_zero_variance:
-        zero = zero_variance_mask(rewards, groups, tol=adv_cfg.zero_variance_tol).tolist()
+        # a process reward is signal even when the outcomes agree (it moves its own turn)
+        has_process = {g for g, t, r in zip(groups, turns, shaped) if any(t[:-1]) or (t and t[-1] != r)}
+        flat = zero_variance_mask(rewards, groups, tol=adv_cfg.zero_variance_tol).tolist()
+        zero = [z and g not in has_process for z, g in zip(flat, groups)]
         stats.zero_variance_groups = len({g for g, z in zip(groups, zero) if z})
-    adv = torch.as_tensor(estimator(rewards, [episode_turn_rewards(e) for e in kept], groups, adv_cfg), dtype=torch.float64)
+    adv = torch.as_tensor(estimator(rewards, turns, groups, adv_cfg), dtype=torch.float64)
     if adv.dim() not in (1, 2) or adv.shape[0] != len(kept):
         raise ValueError(f"advantage estimator {adv_cfg.estimator!r} returned shape {tuple(adv.shape)}; "
                          f"expected [{len(kept)}] (per episode) or [{len(kept)}, turns]")

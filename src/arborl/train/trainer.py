@@ -1,11 +1,22 @@
-"""The policy trainer: one optimiser step per batch of samples.
+"""The policy trainer: one batch of samples -> ppo_epochs x minibatches optimiser steps (default 1 x 1).
 
-    for each micro-batch (samples grouped so a GRPO group packs together, <= micro_batch_tokens):
-        pack (flat or prefix tree)  ->  per-sample log-probs (+ entropies)
-        w      = rollout_correction(logp, rollout_logp)          # S3: TIS / MIS / IcePop weights
-        loss   = policy_loss(logp, old_logp, advantages, w, ...)  # PPO-clip or CISPO, KL, entropy
-        loss.backward()                                           # normalised by the whole batch
-    clip gradients; AdamW step; publish weights to the engines (version + 1)
+    prox = the policy's log-probs before any update of this step        # an extra forward when it takes
+                                                                         # several optimiser steps
+    for each pass (train.ppo_epochs), for each part (train.minibatches; groups kept adjacent):
+        for each micro-batch (<= micro_batch_tokens):
+            pack (flat or prefix tree)  ->  per-sample log-probs logp (+ entropies)
+            w    = rollout_correction(logp, behaviour_logp)           # S3: TIS / MIS / IcePop weights
+            w   *= pi_prox / pi_behav, 0 above the cap                 # train.decoupled (AReaL)
+            old  = prox (train.old_logprobs=trainer) or behaviour_logp (=rollout)
+            loss = policy_loss(logp, old, advantages, w, ...)          # train.loss.kind, KL, entropy
+            loss.backward()                                            # normalised by the whole part
+        clip gradients; AdamW step
+    publish weights to the engines (version + 1; the controller does it)
+
+The ratio pi / pi_old is 1 on the first optimiser step with old_logprobs=trainer, so clipping acts
+only from the second step (a second part or pass) or against the behaviour policy (rollout, or
+decoupled for stale async data). Per step the metrics hold clip fractions (loss/clip_frac_low,
+_high), loss/approx_kl (k3 KL(old || new)), ratio mean/min/max/std and train/optimizer_steps.
 
 Sample fields are per token; the log-prob tensors are per next-token prediction, so the trainer
 aligns them by dropping each sample's first token (a prompt token never carries loss).
@@ -26,7 +37,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from arborl.config import TrainConfig
 from arborl.prefix import RadixTree
-from arborl.train.corrections import rollout_correction
+from arborl.train.corrections import decoupled_weights, rollout_correction
 from arborl.train.losses import policy_loss
 from arborl.train.packing import pack, packed_logprobs
 from arborl.types import InvalidRequestError, Sample
@@ -69,20 +80,38 @@ def _per_token(samples: list[Sample], field: str | Callable[[Sample], list], dty
     return pad_sequence(rows, batch_first=True).to(device)
 
 
-def _merge_metrics(acc: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+SUMMED = ("loss/total", "loss/pg")  # already normalised by the whole (mini)batch: micro-batch parts add up
+
+
+def _merge_metrics(acc: dict[str, list[tuple[float, float]]], summed: tuple[str, ...] = SUMMED) -> dict[str, float]:
+    """Merge (value, weight) lists: ``*max`` / ``*min`` by max / min, ``summed`` keys and ``*tokens`` counts by
+    sum, ``*_std`` pooled with its ``*_mean`` sibling, everything else by the weighted mean."""
     out = {}
     for key, vals in acc.items():
         xs = [v for v, _ in vals]
+        total = sum(w for _, w in vals)
         if key.endswith("max"):
             out[key] = max(xs)
         elif key.endswith("min"):
             out[key] = min(xs)
-        elif key.startswith("loss/") or key.endswith("tokens"):
+        elif key in summed or key.endswith("tokens"):
             out[key] = sum(xs)
+        elif key.endswith("_std") and key[:-4] + "_mean" in acc and total:
+            means = [v for v, _ in acc[key[:-4] + "_mean"]]
+            mean = sum(mu * w for mu, (_, w) in zip(means, vals)) / total
+            second = sum((sd * sd + mu * mu) * w for sd, mu, (_, w) in zip(xs, means, vals)) / total
+            out[key] = math.sqrt(max(second - mean * mean, 0.0))
         else:
-            total = sum(w for _, w in vals)
             out[key] = sum(v * w for v, w in vals) / total if total else 0.0
     return out
+
+
+def minibatch_split(samples: list[Sample], parts: int) -> list[list[int]]:
+    """Indices of ``samples`` sorted by group (a group stays adjacent) and cut into ``parts`` contiguous,
+    equally sized pieces (at most one per sample): the optimiser steps of one pass."""
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].group_id, i))
+    n = max(1, min(parts, len(order)))
+    return [order[k * len(order) // n : (k + 1) * len(order) // n] for k in range(n)]
 
 
 class Trainer:
@@ -123,21 +152,69 @@ class Trainer:
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One batch: ``ppo_epochs`` passes of ``minibatches`` optimiser steps each (see the module
+        docstring); returns the step's metrics (losses and ratio statistics averaged over the
+        optimiser steps, weighted by their loss tokens; ``*_max`` / ``*_min`` over all of them;
+        train/grad_norm their mean, _max their max; train/packed_tokens and _flat_tokens what the
+        step's training forwards computed, all optimiser steps together)."""
         for s in samples:
             s.validate()
         t0 = time.perf_counter()
         num_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
-        num_samples = sum(1 for s in samples if any(s.loss_mask[1:]))
         if num_tokens == 0:
             return {"train/skipped": 1.0, "train/step": float(self.step)}
         cfg = self.cfg
-        tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
         self.model.train()
+        parts = minibatch_split(samples, cfg.minibatches)
+        several = cfg.ppo_epochs * len(parts) > 1
+        # pi_old / pi_prox must be the policy before the FIRST update of the step: with several
+        # optimiser steps it takes its own forward now; with one, the step's forward gives it
+        proximal = self._logprobs(samples) if several and cfg.old_logprobs == "trainer" else None
+        steps: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        norms: list[float] = []
+        packed_tokens = flat_tokens = 0
+        for _ in range(cfg.ppo_epochs):
+            for part in parts:
+                part_tokens = sum(sum(samples[i].loss_mask[1:]) for i in part)
+                if part_tokens == 0:
+                    continue
+                metrics, packed, flat = self._optimiser_step(samples, part, proximal)
+                packed_tokens += packed
+                flat_tokens += flat
+                norms.append(metrics.pop("train/grad_norm"))
+                for k, v in metrics.items():
+                    steps[k].append((v, float(part_tokens)))
+        self.step += 1
+        out = _merge_metrics(steps, summed=())
+        for k in [k for k in out if k.endswith("tokens")]:  # each pass sees every token once
+            out[k] /= cfg.ppo_epochs
+        out.update({
+            "train/step": float(self.step),
+            "train/grad_norm": sum(norms) / len(norms),
+            "train/grad_norm_max": max(norms),
+            "train/optimizer_steps": float(len(norms)),
+            "train/samples": float(len(samples)),
+            "train/loss_tokens": float(num_tokens),
+            "train/packed_tokens": float(packed_tokens),
+            "train/flat_tokens": float(flat_tokens),
+            "train/step_s": time.perf_counter() - t0,
+        })
+        return out
+
+    def _optimiser_step(
+        self, samples: list[Sample], part: list[int], proximal: dict[int, torch.Tensor] | None
+    ) -> tuple[dict[str, float], int, int]:
+        """Gradients of the samples ``part`` (micro-batched), clipped, one AdamW step; its metrics."""
+        cfg = self.cfg
+        tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
+        chosen = [samples[i] for i in part]
+        num_tokens = sum(sum(s.loss_mask[1:]) for s in chosen)
+        num_samples = sum(1 for s in chosen if any(s.loss_mask[1:]))
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
         packed_tokens = flat_tokens = 0
-        for idx in micro_batches(samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
-            mb = [samples[i] for i in idx]
+        for idx in micro_batches(chosen, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
+            mb = [chosen[i] for i in idx]
             batch = pack(
                 [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
                 min_saving=cfg.packing_min_saving,
@@ -154,14 +231,21 @@ class Trainer:
             rollout = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
             adv = _per_token(mb, "advantages", dtype, self.device)
             chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
+            if proximal is None:
+                prox = logp.detach()
+            else:
+                prox = pad_sequence([proximal[part[i]] for i in idx], batch_first=True).to(self.device, dtype)
             weights, corr = rollout_correction(
                 logp.detach(), rollout, mask, chunk_ids=chunks, **cfg.correction.model_dump()
             )
-            old = logp.detach() if cfg.old_logprobs == "trainer" else rollout
+            if cfg.decoupled:
+                w_dec, dec = decoupled_weights(prox, rollout, mask, cap=cfg.decoupled_weight_cap)
+                weights, corr = weights * w_dec, {**corr, **dec}
+            old = prox if cfg.old_logprobs == "trainer" else rollout
             ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
             loss, metrics = policy_loss(
-                logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy,
-                num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
+                logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
+                rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
             )
             loss.backward()
             w = float(mask.sum())
@@ -170,17 +254,19 @@ class Trainer:
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         self.optimizer.step()
-        self.step += 1
-        out = _merge_metrics(acc)
-        out.update({
-            "train/step": float(self.step),
-            "train/grad_norm": grad_norm,
-            "train/samples": float(len(samples)),
-            "train/loss_tokens": float(num_tokens),
-            "train/packed_tokens": float(packed_tokens),
-            "train/flat_tokens": float(flat_tokens),
-            "train/step_s": time.perf_counter() - t0,
-        })
+        return {**_merge_metrics(acc), "train/grad_norm": grad_norm}, packed_tokens, flat_tokens
+
+    @torch.no_grad()
+    def _logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
+        """The current policy's next-token log-probs of every sample (index -> [len - 1]), no gradient."""
+        out: dict[int, torch.Tensor] = {}
+        for idx in micro_batches(samples, self.cfg.micro_batch_tokens, tree=self.cfg.packing != "flat"):
+            batch = pack(
+                [samples[i].token_ids for i in idx], mode=self.cfg.packing, token_budget=self.cfg.micro_batch_tokens,
+                min_saving=self.cfg.packing_min_saving,
+            )
+            for i, lp in zip(idx, packed_logprobs(self.policy, batch, temperature=self.temperature)):
+                out[i] = lp.detach()
         return out
 
     @torch.no_grad()

@@ -1,0 +1,58 @@
+"""A black-box program as the agent of an episode, run *inside* the episode's sandbox.
+
+``SandboxedCommand(argv, runtime=..., workspace=...)`` runs any program that speaks OpenAI through
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` in the episode's workspace (its cwd). The sandbox has no
+network: the gateway's Unix socket is bound in and a small forwarder (``envs/gateway_proxy.py``)
+serves it on the sandbox's own loopback, so the program's shell commands, file edits and model calls
+all happen in the sandbox while every model call is recorded by the gateway like any other.
+
+The program gets the same environment as the ``command`` agent (``agents/command.py``): the session's
+key, ``OPENAI_MODEL``, ``ARBORL_SESSION_ID``, ``ARBORL_TASK`` (JSON) and ``ARBORL_SAMPLING`` (JSON).
+Its answer is its stdout; exit 0 is finished, another code failed, the time limit aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
+
+from arborl.agents.base import AgentOutcome
+from arborl.envs.base import Runtime, Workspace
+from arborl.envs.gateway_proxy import proxy_argv
+from arborl.types import EpisodeStatus, Task
+
+_TAIL = 2000
+
+
+class SandboxedCommand:
+    def __init__(self, command: Sequence[str], *, runtime: Runtime, workspace: Workspace,
+                 sampling: dict[str, Any] | None = None, timeout_s: float = 600.0, python: str | None = None) -> None:
+        # a script named by a relative path is the working directory's (the sandbox's cwd is the workspace);
+        # its directory must be bound in (rollout.envs.ro_binds)
+        self.command = [str(Path(c).resolve()) if i and not Path(c).is_absolute() and Path(c).is_file() else c
+                        for i, c in enumerate(command)]
+        self.runtime = runtime
+        self.workspace = workspace
+        self.sampling = dict(sampling or {})
+        self.timeout_s = timeout_s
+        self.python = python or sys.executable  # bound read-only into the sandbox (rollout.envs.bind_python)
+
+    async def __call__(self, task: Task, client: Any) -> AgentOutcome:
+        env = {
+            "OPENAI_API_KEY": client.api_key,
+            "OPENAI_MODEL": client.model,
+            "ARBORL_SESSION_ID": client.session_id,
+            "ARBORL_TASK": json.dumps({"task_id": task.task_id, "prompt": task.prompt}, default=str),
+            "ARBORL_SAMPLING": json.dumps(self.sampling),
+        }
+        async with client.gateway_socket() as sock:
+            res = await self.runtime.run(self.workspace, proxy_argv(self.python, sock, self.command), env=env,
+                                         timeout_s=self.timeout_s, unix_sockets=[sock])
+        status = (EpisodeStatus.ABORTED if res.timed_out
+                  else EpisodeStatus.FINISHED if res.returncode == 0 else EpisodeStatus.FAILED)
+        info = {"returncode": res.returncode, "timed_out": res.timed_out, "killed": res.killed,
+                "stderr_tail": res.stderr[-_TAIL:], "duration_s": res.duration_s}
+        return AgentOutcome(answer=res.stdout.strip() or None, status=status, info=info)

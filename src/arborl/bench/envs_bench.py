@@ -1,0 +1,267 @@
+"""``arborl bench envs``: what a sandboxed episode costs, and that the sandbox holds.
+
+Sections (each a function ``(quick, console) -> dict`` in ``SECTIONS``; a new part is one more):
+
+1. start: prepare (fresh copy of a 12-file template) + one trivial command + close, one after another:
+   ``sandbox_start_p50_ms`` / ``_p99_ms``, and each part's p50 (prepare, command, close) next to a bare
+   ``bwrap true`` so bubblewrap's own start is visible; ``start_cpu_ms_mean`` is the CPU time one such
+   episode costs (this process and its children), which does not grow with the machine's load as wall
+   time does (``load_average_1m`` is reported beside it).
+2. throughput: 16 episodes at once (prepare, two commands, close): ``sandbox_episodes_per_s``.
+3. copy modes: making a workspace from a small (12 files) and a larger (600 files, ~5 MB) template with
+   each ``rollout.envs.copy_mode`` (copy, cp), and for comparison an overlay mount (copy-on-write; root only)
+   and hard links (unsafe: an agent's write would change the template): ``copy_<mode>_<size>_ms``.
+4. escapes: the scripted adversarial agent of ``arborl.envs.escapes`` against the sandbox:
+   ``escape_attempts``, ``escapes`` (goal 0), ``escaped`` (names).
+5. code repair: the task suite's validation figures (``bench/envs_tasks_bench.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from arborl.config import EnvsConfig
+from arborl.envs import make_runtime
+from arborl.envs.bwrap import check_bwrap
+from arborl.envs.escapes import run_escapes
+from arborl.envs.workspace import copy_tree, copy_with_cp, mount_tmpfs, remove_tree, unmount
+
+CONCURRENCY = 16
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def make_template(root: Path, files: int, file_bytes: int = 300) -> Path:
+    """A small Python repository of ``files`` files in a few packages."""
+    t = root / f"template-{files}"
+    for i in range(files):
+        p = t / f"pkg{i % 4}" / f"mod{i}.py"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text((f"def f{i}(x):\n    return x + {i}\n" * (file_bytes // 30 + 1))[:file_bytes])
+    return t
+
+
+def _cfg(root: Path, **kw) -> EnvsConfig:  # noqa: ANN003
+    return EnvsConfig(root_dir=str(root / "envs"), **kw)
+
+
+def section_start(quick: bool, console: Console) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arborl-bench-envs-") as d:
+        return _section_start(quick, Path(d))
+
+
+def _section_start(quick: bool, work: Path) -> dict:
+    rt = make_runtime(_cfg(work))
+    tpl = make_template(work, 12)
+    n = 40 if quick else 200
+    total, prep, cmd, close = [], [], [], []
+
+    cpu = []
+
+    def cpu_s() -> float:  # this process and its waited-for children: CPU time does not queue behind load
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    async def go() -> None:
+        for i in range(n + 3):
+            c0 = cpu_s()
+            t0 = time.perf_counter()
+            ws = await rt.prepare(tpl, episode_id=f"start-{i}")
+            t1 = time.perf_counter()
+            r = await rt.run(ws, ["true"])
+            t2 = time.perf_counter()
+            await rt.close(ws)
+            t3 = time.perf_counter()
+            assert r.returncode == 0, r
+            if i >= 3:  # warm-up
+                total.append(t3 - t0), prep.append(t1 - t0), cmd.append(t2 - t1), close.append(t3 - t2)
+                cpu.append(cpu_s() - c0)
+
+    asyncio.run(go())
+    bare = []
+    bwrap = check_bwrap("bwrap")
+    argv = [bwrap, "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+            "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-pid",
+            "--unshare-net", "--die-with-parent", "--", "true"]  # fmt: skip
+    for _ in range(n // 2):
+        t0 = time.perf_counter()
+        subprocess.run(argv, check=True)
+        bare.append(time.perf_counter() - t0)
+    ms = 1000.0
+    return {
+        "sandbox_start_p50_ms": round(_pct(total, 0.5) * ms, 2),
+        "sandbox_start_p99_ms": round(_pct(total, 0.99) * ms, 2),
+        "start_prepare_p50_ms": round(_pct(prep, 0.5) * ms, 2),
+        "start_command_p50_ms": round(_pct(cmd, 0.5) * ms, 2),
+        "start_close_p50_ms": round(_pct(close, 0.5) * ms, 2),
+        "bare_bwrap_true_p50_ms": round(_pct(bare, 0.5) * ms, 2),
+        "start_cpu_ms_mean": round(statistics.mean(cpu) * ms, 2),
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "start_samples": n,
+    }
+
+
+def section_throughput(quick: bool, console: Console) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arborl-bench-envs-") as d:
+        return _section_throughput(quick, Path(d))
+
+
+def _section_throughput(quick: bool, work: Path) -> dict:
+    rt = make_runtime(_cfg(work))
+    tpl = make_template(work, 12)
+    n = 64 if quick else 320
+    sem = asyncio.Semaphore(CONCURRENCY)
+    failures = []
+
+    async def episode(i: int) -> None:
+        async with sem:
+            ws = await rt.prepare(tpl, episode_id=f"tp-{i}")
+            try:
+                a = await rt.run(ws, ["sh", "-c", "echo 'x = 1' >> pkg0/mod0.py"])
+                b = await rt.run(ws, ["cat", "pkg0/mod0.py"])
+                if a.returncode or b.returncode:
+                    failures.append(i)
+            finally:
+                await rt.close(ws)
+
+    async def go() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(episode(i) for i in range(n)))
+        return time.perf_counter() - t0
+
+    took = asyncio.run(go())
+    return {
+        "sandbox_episodes_per_s": round(n / took, 1),
+        "throughput_episodes": n,
+        "throughput_concurrency": CONCURRENCY,
+        "throughput_failures": len(failures),
+    }
+
+
+def _overlay(tpl: Path, dst: Path, scratch: Path) -> Callable[[], None]:
+    upper, workdir = scratch / "upper", scratch / "work"
+    upper.mkdir()
+    workdir.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={tpl},upperdir={upper},workdir={workdir}", str(dst)], check=True)  # fmt: skip
+    return lambda: unmount(dst)
+
+
+def section_copy_modes(quick: bool, console: Console) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arborl-bench-envs-") as d:
+        return _section_copy_modes(quick, Path(d))
+
+
+def _section_copy_modes(quick: bool, work: Path) -> dict:
+    reps = 15 if quick else 60
+    out: dict[str, float] = {}
+    is_root = os.geteuid() == 0
+    for size, files, nbytes in (("small", 12, 300), ("large", 600, 8000)):
+        tpl = make_template(work, files, nbytes)
+        modes: dict[str, Callable[[Path, Path], Callable[[], None] | None]] = {
+            "copy": lambda d, s: (copy_tree(tpl, d, uid=None), None)[1],
+            "cp": lambda d, s: copy_with_cp(tpl, d, uid=None),
+            "hardlink_unsafe": lambda d, s: (subprocess.run(["cp", "-al", f"{tpl}/.", str(d)], check=True), None)[1],
+        }
+        if is_root:
+            modes["overlay"] = lambda d, s: _overlay(tpl, d, s)
+        for mode, make in modes.items():
+            times = []
+            for i in range(reps):
+                base = work / f"cm-{size}-{mode}-{i}"
+                dst, scratch = base / "ws", base / "scratch"
+                dst.mkdir(parents=True)
+                scratch.mkdir()
+                if is_root:
+                    mount_tmpfs(scratch, size_mb=64, uid=None)
+                    if mode != "hardlink_unsafe":  # hard links cannot cross into a tmpfs
+                        mount_tmpfs(dst, size_mb=64, uid=None)
+                try:
+                    t0 = time.perf_counter()
+                    undo = make(dst, scratch)
+                    times.append(time.perf_counter() - t0)
+                    if undo:
+                        undo()
+                finally:
+                    unmount(dst)
+                    unmount(scratch)
+                    remove_tree(base)
+            out[f"copy_{mode}_{size}_ms"] = round(statistics.median(times) * 1000, 3)
+    return out
+
+
+def section_escapes(quick: bool, console: Console) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arborl-bench-envs-") as d:
+        return _section_escapes(quick, Path(d))
+
+
+def _section_escapes(quick: bool, work: Path) -> dict:
+    rt = make_runtime(_cfg(work, disk_mb=16, file_size_mb=8, processes=32, tmp_mb=8, wall_s=20))
+    outcomes = asyncio.run(run_escapes(rt, work / "escapes"))
+    return {
+        "escape_attempts": len(outcomes),
+        "escapes": sum(o.escaped for o in outcomes),
+        "escaped": [o.name for o in outcomes if o.escaped],
+    }
+
+
+def section_code_repair(quick: bool, console: Console) -> dict:
+    """The task suite's figures (validated tasks, drops): bench/envs_tasks_bench.py."""
+    from arborl.bench.envs_tasks_bench import code_repair_section
+
+    return code_repair_section(quick, console)
+
+
+def section_episodes(quick: bool, console: Console) -> dict:
+    """Real SmolLM2 code-repair episodes, white-box and black-box: bench/envs_episodes_bench.py."""
+    from arborl.bench.envs_episodes_bench import episodes_section
+
+    return episodes_section(quick, console)
+
+
+def section_training(quick: bool, console: Console) -> dict:
+    """Success on held-out easy tasks before and after a short training run (full mode only)."""
+    from arborl.bench.envs_episodes_bench import training_section
+
+    return training_section(quick, console)
+
+
+# each section: (quick, console) -> figures; a new part of the bench is one more function here
+SECTIONS: list[Callable[[bool, Console], dict]] = [
+    section_start,
+    section_throughput,
+    section_copy_modes,
+    section_escapes,
+    section_code_repair,
+    section_episodes,
+    section_training,
+]
+
+
+def run(quick: bool, console: Console) -> dict:
+    results: dict = {}
+    for section in SECTIONS:
+        t0 = time.perf_counter()
+        results.update(section(quick, console))
+        console.print(f"[dim]{section.__name__}: {time.perf_counter() - t0:.1f}s[/dim]")
+    table = Table(title="arborl bench envs" + (" (quick)" if quick else ""))
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in results.items():
+        table.add_row(k, str(v))
+    console.print(table)
+    return results

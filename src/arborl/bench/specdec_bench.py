@@ -1,0 +1,285 @@
+"""``arborl bench specdec``: speculative decoding in the built-in engine (SmolLM2-135M, CPU).
+
+1. tau (Seer's Table 2 shape): GRPO groups of G = 8 on calculator prompts, temperature 1. Per prompt,
+   G - 1 members are generated first (they fill the group's token store), then the measured members
+   decode drafting from their own tokens only (``tau_suffix_self``), from the group's store
+   (``tau_suffix_group``) and with top-4 multi-path (``tau_suffix_group_multipath``); tau is vLLM's
+   mean acceptance length, 1 + accepted / drafts.
+2. tail decode: tokens/s of 1-4 such members (the long tail of a rollout) with the group suffix
+   drafter, adaptive length, drafting time included, vs plain decoding, alternating A B A B.
+3. batch 32: a whole step's worth of fresh groups (4 x 8), adaptive, vs plain.
+4. exactness: greedy tokens identical and max |log-prob difference| (SmolLM2, greedy and sampled drafts);
+   a chi-square test of sampled tokens with vs without speculation on a tiny model (vocab 16).
+5. simulator: the scheduling bench's Seer-like workload (GPU-class cost model), Seer dispatch plus
+   speculative decoding at the measured first-position acceptance of group drafts, against pinned
+   dispatch without it (``sim_seer_full_tail_reduction``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from arborl.bench.scheduling_bench import SEER_WORKLOAD
+from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
+from arborl.engine import LLMEngine
+from arborl.engine.spec.suffix import GroupStores
+from arborl.models import LoadedModel, chat_token_ids, load_model, tiny_llama
+from arborl.sim import simulate
+from arborl.tasks.calculator import EXAMPLE, SYSTEM_PROMPT, make_tasks
+from arborl.types import GenerateRequest, SamplingParams
+
+G = 8
+MAX_TOKENS = 96
+OUT_DIR = Path("runs") / "bench-specdec"
+PROFILE = OUT_DIR / "verify_profile.json"  # measured once per run (first adaptive engine), then read
+
+
+def calculator_prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+    out = []
+    for task in make_tasks("train", n, seed=0):
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": task.prompt}]
+        out.append(chat_token_ids(loaded.tokenizer, msgs))
+    return out
+
+
+def engine(loaded: LoadedModel, *, spec: bool, stores: GroupStores | None = None, **spec_kw) -> LLMEngine:
+    spec_kw.setdefault("profile_path", str(PROFILE))
+    cfg = EngineConfig(max_batch_size=32, max_seq_len=1024, spec=SpecConfig(enabled=spec, **spec_kw))
+    eng = LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
+    if spec and stores is not None:
+        eng.spec.drafter.groups = stores
+    return eng
+
+
+def member(prompt: list[int], p: int, m: int, group: str, params: SamplingParams) -> GenerateRequest:
+    return GenerateRequest(list(prompt), replace(params, seed=1000 * p + m), request_id=f"{group}/m{m}", group_id=group)
+
+
+def references(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, stores: GroupStores, tag: str) -> None:
+    # (plain decoding: the references are ordinary samples)
+    """The first G - 1 members of each group, decoded (plainly) into the group stores."""
+    eng = engine(loaded, spec=True, stores=stores, adaptive=False, num_tokens=1)
+    eng.spec.length.max_k = 0  # feed the stores, never draft: the references are ordinary samples
+    eng.generate([member(pr, p, m, f"{tag}{p}", params) for p, pr in enumerate(prompts) for m in range(G - 1)])
+
+
+def snapshot(stores: GroupStores) -> GroupStores:
+    """A copy of the group stores, so each measured variant sees the same references and no other's."""
+    out = GroupStores(stores.max_groups)
+    for gid, store in stores._stores.items():
+        copy = out.get(gid, store.n)
+        for rid, toks in store.streams.items():
+            copy.extend(rid, list(toks))
+    return out
+
+
+def tau(loaded: LoadedModel, prompts, measured: int, params: SamplingParams, stores: GroupStores, tag: str, **spec_kw) -> dict:
+    eng = engine(loaded, spec=True, stores=snapshot(stores), adaptive=False, num_tokens=6, **spec_kw)
+    res = eng.generate([member(pr, p, G - 1 + j, f"{tag}{p}", params) for p, pr in enumerate(prompts) for j in range(measured)])
+    st = eng.stats_dict()
+    decoded = st["generated_tokens"] - len(res)  # the first token of each comes from its prefill
+    return {"tau": st["spec_mean_acceptance_length"], "acceptance_rate": st["spec_acceptance_rate"],
+            "per_pos": st["spec_acceptance_per_position"], "tokens": sum(len(r.token_ids) for r in res),
+            # tokens per sequence and decode step, steps where nothing was drafted included (count 1)
+            "tokens_per_seq_step": decoded / max(1, eng.stats.batch_size_sum)}
+
+
+def tokens_per_s(eng: LLMEngine, reqs: list[GenerateRequest]) -> tuple[float, int]:
+    busy0, tok0 = eng.stats.busy_s, eng.stats.generated_tokens
+    eng.generate(reqs)
+    return (eng.stats.generated_tokens - tok0) / (eng.stats.busy_s - busy0), eng.stats.generated_tokens - tok0
+
+
+def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, fresh_groups: bool) -> dict:
+    """tokens/s of ``batch`` members with the adaptive group suffix drafter vs plain, A B A B."""
+    spec = engine(loaded, spec=True, stores=stores, num_tokens=6)
+    plain = engine(loaded, spec=False)
+    a, b, rounds = [], [], []
+    for rep in range(reps):
+        if fresh_groups:
+            reqs = lambda: [member(pr, p, m, f"{tag}{rep}-{p}", params) for p, pr in enumerate(prompts) for m in range(G)][:batch]
+        else:
+            # later members of the reference groups (their G - 1 siblings are in the stores), distinct ids
+            reqs = lambda: [member(prompts[i % len(prompts)], i % len(prompts), G + 100 * batch + rep * batch + i,
+                                   f"{tag}{i % len(prompts)}", params) for i in range(batch)]
+        x, _ = tokens_per_s(spec, reqs())
+        y, _ = tokens_per_s(plain, reqs())
+        a.append(x)
+        b.append(y)
+        rounds.append(round(x / y, 3))
+    st = spec.stats_dict()
+    return {"spec_tps": sum(a) / reps, "plain_tps": sum(b) / reps, "ratio": sum(a) / sum(b), "rounds": rounds,
+            "tau": st["spec_mean_acceptance_length"], "verify_steps": st["spec_verify_steps"],
+            "plain_steps": st["spec_plain_steps"]}
+
+
+def exactness(loaded, prompts, stores) -> dict:
+    """Greedy: tokens identical; greedy and sampled: every log-prob equal to the plain engine's."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    plain = engine(loaded, spec=False).generate([member(pr, p, 0, f"x{p}", greedy) for p, pr in enumerate(prompts)])
+    spec_eng = engine(loaded, spec=True, stores=stores, adaptive=False, num_tokens=6)
+    spec_eng.generate([member(pr, p, 1, f"x{p}", greedy) for p, pr in enumerate(prompts)])  # a sibling first
+    spec = spec_eng.generate([member(pr, p, 0, f"x{p}", greedy) for p, pr in enumerate(prompts)])
+    identical = all(a.token_ids == b.token_ids for a, b in zip(plain, spec))
+    diff = max(max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) for a, b in zip(plain, spec))
+    # sampled: the speculative stream differs from plain sampling, so replay that very stream through
+    # the plain engine's own path (prefill the prompt, then one decode step per token) and compare
+    sampled = SamplingParams(temperature=1.0, max_tokens=48)
+    res = spec_eng.generate([member(pr, p, 2, f"x{p}", sampled) for p, pr in enumerate(prompts)])
+    sampled_diff = max(_replay_diff(engine(loaded, spec=False), r) for r in res)
+    return {"greedy_identical": identical, "greedy_logprob_max_abs_diff": diff, "sampled_logprob_max_abs_diff": sampled_diff,
+            "logprob_max_abs_diff": max(diff, sampled_diff),
+            "accepted_tokens": spec_eng.stats_dict()["spec_accepted_tokens"]}
+
+
+@torch.inference_mode()
+def _replay_diff(plain: LLMEngine, r) -> float:
+    """max |log-prob| difference between ``r`` and the plain engine's decode path over r's tokens."""
+    logits = [plain.runner.prefill([(0, r.prompt_token_ids, 0)])[0]]
+    pos = len(r.prompt_token_ids)
+    for tok in r.token_ids[:-1]:
+        logits.append(plain.runner.decode([tok], [pos])[0])
+        pos += 1
+    lp = torch.log_softmax(torch.stack(logits).float(), -1)[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)]
+    return float((lp - torch.tensor(r.logprobs)).abs().max())
+
+
+def sampled_distribution(n: int) -> dict:
+    """Chi-square homogeneity of the 6th sampled token with vs without speculation (tiny model, vocab 16,
+    group suffix drafts, which a 16-token vocabulary makes frequent)."""
+    vocab = 16
+    model = tiny_llama(layers=2, hidden=32, vocab=vocab, heads=4, kv_heads=2, seed=5, init_std=0.6)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    counts, accepted = [], 0
+    for spec in (False, True):
+        cfg = EngineConfig(max_seq_len=64, max_batch_size=64, prefix_cache=False,
+                           spec=SpecConfig(enabled=spec, adaptive=False, num_tokens=3, min_match=1))
+        eng = LLMEngine(model, cfg, eos_token_ids=[vocab - 1])
+        if spec:
+            eng.spec.drafter.groups = GroupStores(64)
+        reqs = [GenerateRequest([3, 1, 4, 1, 5, 9], replace(params, seed=7919 * spec + i), group_id=f"d{i // 16}")
+                for i in range(n)]
+        res = eng.generate(reqs)
+        counts.append(torch.bincount(torch.tensor([r.token_ids[5] for r in res]), minlength=vocab).double())
+        if spec:
+            accepted = eng.spec.metrics.accepted_tokens
+    a, b = counts
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    tot = a + b
+    ea, eb = tot * a.sum() / tot.sum(), tot * b.sum() / tot.sum()
+    stat = float(((a - ea) ** 2 / ea + (b - eb) ** 2 / eb).sum())
+    p = float(torch.special.gammaincc(torch.tensor((len(a) - 1) / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return {"sampled_dist_pvalue": p, "chi2": stat, "samples": n, "accepted_tokens": accepted}
+
+
+def simulated_tail(acceptance: float, seeds: list[int]) -> dict:
+    """Mean tail (last 10% of a step's requests) of the Seer-like workload: pinned without speculation,
+    Seer without, Seer with speculation at ``acceptance``."""
+    tails: dict[str, list[float]] = {"pinned": [], "seer": [], "seer_spec": []}
+    for seed in seeds:
+        base = [*SEER_WORKLOAD, "sim.steps=1", f"sim.seed={seed}"]
+        plain = simulate(load_config(None, [*base, "sim.policies=sync/pinned,sync/seer"]))["policies"]
+        spec = simulate(load_config(None, [*base, "sim.policies=sync/seer", f"sim.spec_acceptance={acceptance}"]))["policies"]
+        tails["pinned"].append(plain["sync/pinned"]["tail_s"])
+        tails["seer"].append(plain["sync/seer"]["tail_s"])
+        tails["seer_spec"].append(spec["sync/seer"]["tail_s"])
+    mean = {k: sum(v) / len(v) for k, v in tails.items()}
+    return {"tail_s": mean, "seer_tail_reduction": 1 - mean["seer"] / mean["pinned"],
+            "seer_full_tail_reduction": 1 - mean["seer_spec"] / mean["pinned"]}
+
+
+def run(quick: bool, console: Console) -> dict:
+    torch.manual_seed(0)
+    console.print("loading SmolLM2-135M-Instruct ...")
+    loaded = load_model(ModelConfig(source="smollm2"))
+    n_prompts, measured, max_tokens = (2, 2, 64) if quick else (8, 3, MAX_TOKENS)
+    prompts = calculator_prompts(loaded, n_prompts)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    stores = GroupStores(1024)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    PROFILE.unlink(missing_ok=True)
+
+    ex = exactness(loaded, prompts[:2] if quick else prompts[:4], stores)
+    console.print(f"  greedy identical {ex['greedy_identical']}, max |log-prob diff| greedy "
+                  f"{ex['greedy_logprob_max_abs_diff']:.2e}, sampled {ex['sampled_logprob_max_abs_diff']:.2e} "
+                  f"({ex['accepted_tokens']} draft tokens accepted)")
+    dist = sampled_distribution(1000 if quick else 2000)
+    console.print(f"  sampled tokens chi-square p {dist['sampled_dist_pvalue']:.3f} ({dist['accepted_tokens']} accepted)")
+
+    t0 = time.perf_counter()
+    references(loaded, prompts, params, stores, "grp")
+    console.print(f"  {G - 1} references x {n_prompts} prompts: {time.perf_counter() - t0:.1f}s")
+    taus = {
+        "self": tau(loaded, prompts, measured, params, stores, "grp", group_trees=False),
+        "group": tau(loaded, prompts, measured, params, stores, "grp"),
+        "group_multipath": tau(loaded, prompts, measured, params, stores, "grp", num_paths=4),
+    }
+    for k, v in taus.items():
+        console.print(f"  tau {k}: {v['tau']:.3f} (acceptance {v['acceptance_rate']:.3f}, per position "
+                      f"{[round(a, 3) for a in v['per_pos']]}, {v['tokens']} tokens)")
+    per_pos = taus["group"]["per_pos"]
+    acceptance = per_pos[0] if per_pos else 0.0
+    sim = simulated_tail(min(acceptance, 0.95), [0] if quick else [0, 1, 2])
+    console.print(f"  sim tails {sim['tail_s']}, Seer + spec reduction {sim['seer_full_tail_reduction']:.3f}")
+
+    reps = 1 if quick else 3
+    tail = {}
+    for b in (1, 2, 4):
+        f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False)
+        console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
+    b32_params = replace(params, max_tokens=32) if quick else params
+    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 1 if quick else 2, b32_params, stores, "b32-", fresh_groups=True)
+    console.print(f"  batch 32: {b32['spec_tps']:.1f} vs {b32['plain_tps']:.1f} tok/s = {b32['ratio']:.2f}x "
+                  f"(verify / plain steps {b32['verify_steps']} / {b32['plain_steps']})")
+
+    tail_speedup = min(f["ratio"] for f in tail.values())
+    table = Table(title="arborl bench specdec (SmolLM2-135M-Instruct, CPU, calculator GRPO groups, G=8, T=1)")
+    for col in ("figure", "value"):
+        table.add_column(col)
+    rows = [(f"tau {k} (1 + accepted/drafts)", f"{v['tau']:.3f}") for k, v in taus.items()]
+    rows += [(f"tail batch {b}: spec / plain tokens/s", f"{f['spec_tps']:.1f} / {f['plain_tps']:.1f} = {f['ratio']:.2f}x")
+             for b, f in tail.items()]
+    rows += [("batch 32 (adaptive): spec / plain tokens/s", f"{b32['spec_tps']:.1f} / {b32['plain_tps']:.1f} = {b32['ratio']:.2f}x"),
+             ("batch 32: verify / plain steps", f"{b32['verify_steps']} / {b32['plain_steps']}"),
+             ("greedy tokens identical", str(ex["greedy_identical"])),
+             ("max |log-prob - plain|", f"{ex['logprob_max_abs_diff']:.2e}"),
+             ("sampled tokens chi-square p (tiny model)", f"{dist['sampled_dist_pvalue']:.3f}"),
+             ("sim Seer-like: tail pinned / Seer / Seer + spec (s)",
+              " / ".join(f"{v:.0f}" for v in sim["tail_s"].values())),
+             (f"sim Seer + spec tail reduction (acceptance {acceptance:.2f})", f"{sim['seer_full_tail_reduction']:.3f}")]
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    return {
+        "bench": "specdec",
+        "quick": quick,
+        "group_size": G,
+        "prompts": n_prompts,
+        "max_tokens": max_tokens,
+        "tau_suffix_self": taus["self"]["tau"],
+        "tau_suffix_group": taus["group"]["tau"],
+        "tau_suffix_group_multipath": taus["group_multipath"]["tau"],
+        "tau_group_gain": taus["group"]["tau"] - taus["self"]["tau"],
+        "acceptance_per_position_group": taus["group"]["per_pos"],
+        "tokens_per_seq_step": {k: v["tokens_per_seq_step"] for k, v in taus.items()},
+        "tail_decode_speedup": tail_speedup,
+        "tail_decode_speedup_by_batch": {b: f["ratio"] for b, f in tail.items()},
+        "batch32_ratio": b32["ratio"],
+        "greedy_identical": ex["greedy_identical"],
+        "logprob_max_abs_diff": ex["logprob_max_abs_diff"],
+        "greedy_logprob_max_abs_diff": ex["greedy_logprob_max_abs_diff"],
+        "sampled_logprob_max_abs_diff": ex["sampled_logprob_max_abs_diff"],
+        "sampled_dist_pvalue": dist["sampled_dist_pvalue"],
+        "sim_spec_acceptance": acceptance,
+        "sim_seer_tail_reduction": sim["seer_tail_reduction"],
+        "sim_seer_full_tail_reduction": sim["seer_full_tail_reduction"],
+        "mtp_tau_online": None,  # MTP not built (see the issue's report)
+        "mtp_tau_frozen": None,
+    }

@@ -1,0 +1,15 @@
+"""Scale out on Ray (``cluster.backend=ray``): engine replicas as Ray actors behind the engine pool,
+weight sync through the object store or shared safetensors files, restarted engines rejoining at the
+current version, and prefill/decode disaggregation (``pd.py``, also in-process). See docs/cluster.md."""
+
+from arborl.cluster.pd import PDEngine, disaggregate
+from arborl.cluster.session import ClusterError
+
+__all__ = ["ClusterError", "PDEngine", "disaggregate", "deploy"]
+
+
+def deploy(cfg, loaded, *, version: int = 0, run_dir=None):
+    """The engines of ``cfg`` as Ray actors (``cluster.backend=ray``): a ``RayDeployment``."""
+    from arborl.cluster.deploy import RayDeployment
+
+    return RayDeployment(cfg, loaded, version=version, run_dir=run_dir)

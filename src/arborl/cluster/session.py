@@ -1,0 +1,54 @@
+"""The Ray session of a run: joined (``cluster.address``) or started locally, and always stopped again.
+
+A session the caller already opened (a test, a notebook) is used as it is and left open."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from arborl.config import ClusterConfig
+from arborl.types import ArborlError
+
+
+class ClusterError(ArborlError, RuntimeError):
+    """The Ray cluster could not give the run what it asked for; the message says what to change."""
+
+
+def ray_module():
+    try:
+        import ray
+    except ImportError as e:
+        raise ClusterError("cluster.backend=ray needs Ray: pip install 'arborl[ray]'") from e
+    return ray
+
+
+def start(cfg: ClusterConfig) -> bool:
+    """Open the session; True when this call started it (and ``stop`` must end it)."""
+    ray = ray_module()
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a training job
+    kwargs = {"include_dashboard": False, "log_to_driver": True, "logging_level": "warning"}
+    try:
+        if cfg.address:
+            ray.init(address=cfg.address, **kwargs)
+        else:
+            ray.init(num_cpus=cfg.num_cpus, **kwargs)
+    except ConnectionError as e:
+        raise ClusterError(f"cannot join the Ray cluster at cluster.address={cfg.address!r}: {e}. Start it with "
+                           "`ray start --head`, or unset cluster.address to start a local one") from e
+    return True
+
+
+def stop(started: bool) -> None:
+    """End a session ``start`` opened: the local cluster's processes (raylet, GCS, workers) go with it."""
+    if started:
+        ray_module().shutdown()
+
+
+def leftover_processes() -> list[str]:
+    """Ray's own daemons still running on this machine (what a clean shutdown leaves none of)."""
+    out = subprocess.run(["ps", "-eo", "pid,comm,args"], capture_output=True, text=True, check=False).stdout
+    return [line.strip() for line in out.splitlines()[1:]
+            if any(name in line.split(None, 2)[1] for name in ("raylet", "gcs_server"))]

@@ -1,0 +1,102 @@
+"""The run's data pool opened read-only (SQLite ``mode=ro``: the dashboard never writes, never takes a
+write lock, and sees every transaction a running job has committed, WAL included), as the trajectory
+browser walks it: step -> group -> episode -> calls."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from arborl.datapool import codec
+from arborl.types import ArborlError, Call, Episode, EpisodeStatus
+
+_STEP_GROUP = re.compile(r"^step(\d+):")
+
+
+class NoDataPoolError(ArborlError):
+    """The run has no data pool file (yet)."""
+
+
+@contextmanager
+def read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    if not path.is_file():
+        raise NoDataPoolError(f"{path} does not exist: the run has recorded no episode yet")
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+    conn.row_factory = sqlite3.Row
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def bucket(group_id: str) -> str:
+    """The trajectory browser's 'step' of a group: ``step N`` for the groups training step N trained
+    (group ``step{N-1}:task``), the group's tag for evaluation (``eval-v3``), else ``other``."""
+    m = _STEP_GROUP.match(group_id)
+    if m:
+        return f"step {int(m.group(1)) + 1}"
+    tag, sep, _ = group_id.partition(":")
+    return tag if sep and tag.startswith("eval") else "other"
+
+
+def buckets(path: Path) -> list[dict[str, Any]]:
+    """[{"bucket", "groups": [{"group_id", "episodes", "mean_reward"}]}]: training steps in order first."""
+    with read_only(path) as conn:
+        rows = conn.execute(
+            "SELECT group_id, COUNT(*) AS n, AVG(reward) AS r, MIN(started_at) AS t FROM episodes "
+            "GROUP BY group_id ORDER BY t, group_id").fetchall()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(bucket(r["group_id"]), []).append(
+            {"group_id": r["group_id"], "episodes": r["n"], "mean_reward": r["r"]})
+
+    def order(name: str) -> tuple[int, int, str]:
+        m = re.fullmatch(r"step (\d+)", name)
+        return (0, int(m.group(1)), "") if m else (1 if name != "other" else 2, 0, name)
+
+    return [{"bucket": b, "groups": out[b]} for b in sorted(out, key=order)]
+
+
+def _call(row: sqlite3.Row) -> Call:
+    return Call(
+        episode_id=row["episode_id"], prompt_token_ids=codec.decode_i32(row["prompt"]),
+        completion_token_ids=codec.decode_i32(row["completion"]), logprobs=codec.decode_f32(row["logprobs"]),
+        sample_logprobs=codec.decode_f32(row["sample_logprobs"]), versions=codec.decode_i32(row["versions"]),
+        finish_reason=row["finish_reason"], call_id=row["call_id"], engine_id=row["engine_id"],
+        created_at=row["created_at"], latency_s=row["latency_s"], cached_prompt_tokens=row["cached_prompt_tokens"],
+        meta=codec.decode_json(row["meta"], {}),
+    )
+
+
+def _episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
+    return Episode(
+        task_id=row["task_id"], group_id=row["group_id"], agent_kind=row["agent_kind"],
+        status=EpisodeStatus(row["status"]), episode_id=row["episode_id"], calls=calls,
+        interactions=codec.decode_json(row["interactions"], []),
+        reward_components=codec.decode_json(row["reward_components"], {}), reward=row["reward"],
+        started_at=row["started_at"], finished_at=row["finished_at"], meta=codec.decode_json(row["meta"], {}),
+    )
+
+
+def group_episodes(path: Path, group_id: str) -> list[Episode]:
+    """The group's episodes (without their calls), in start order."""
+    with read_only(path) as conn:
+        rows = conn.execute("SELECT * FROM episodes WHERE group_id = ? ORDER BY started_at, rowid",
+                            (group_id,)).fetchall()
+    return [_episode(r, []) for r in rows]
+
+
+def episode(path: Path, episode_id: str) -> Episode | None:
+    """One episode with its calls in recording order (one read transaction: a consistent snapshot)."""
+    with read_only(path) as conn:
+        conn.execute("BEGIN")
+        row = conn.execute("SELECT * FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone()
+        if row is None:
+            return None
+        calls = conn.execute("SELECT * FROM calls WHERE episode_id = ? ORDER BY seq", (episode_id,)).fetchall()
+        conn.execute("COMMIT")
+    return _episode(row, [_call(c) for c in calls])

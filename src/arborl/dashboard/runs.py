@@ -1,0 +1,161 @@
+"""Run directories as the dashboard, ``arborl runs`` and ``arborl compare`` see them: found under the
+paths given, their metrics rows (re-read on every call: a running job appends to them), their config
+and their headline figures."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from arborl.config import ConfigError
+from arborl.run_config import CHANGES_FILE, CONFIG_FILE, run_config
+from arborl.rundir import METRICS_FILE
+from arborl.types import ArborlError
+
+SPANS = Path("timeline") / "spans.jsonl"
+
+# metrics shown first, in this order; every other numeric column of metrics.jsonl follows, sorted
+WELL_KNOWN = (
+    "reward", "success", "tool_use", "eval_success", "eval_reward", "loss/total", "loss/pg", "loss/kl",
+    "loss/approx_kl", "loss/entropy", "loss/clip_frac", "loss/clip_frac_high", "loss/clip_frac_low",
+    "mismatch/k3_kl", "mismatch/logp_abs_diff_mean", "mismatch/masked_frac", "rollout_tokens_per_s",
+    "rollout_s", "train_s", "publish_s", "step_s", "sched/max_version_gap", "spec/spec_mean_acceptance_length",
+    "spec/spec_acceptance_rate",
+    "train/grad_norm", "generated_tokens", "samples", "zero_variance_groups",
+)
+
+
+class RunNotFoundError(ArborlError):
+    """A path given is neither a run directory nor a directory holding run directories."""
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / CONFIG_FILE).is_file() or (path / METRICS_FILE).is_file())
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Each path that is a run directory, and the run directories directly inside the others."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if is_run_dir(p):
+            out.append(p)
+        elif p.is_dir():
+            out += sorted(c for c in p.iterdir() if is_run_dir(c))
+        else:
+            raise RunNotFoundError(f"{p} does not exist: give a run directory (runs/NAME) or a directory of runs "
+                                   "(runs)")
+    return list(dict.fromkeys(out))
+
+
+def run_keys(runs: list[Path]) -> dict[str, Path]:
+    """A short unique key per run (its directory name; its parent's too where two names clash)."""
+    keys: dict[str, Path] = {}
+    for p in runs:
+        key = p.name
+        if key in keys or sum(q.name == p.name for q in runs) > 1:
+            key = f"{p.parent.name}/{p.name}"
+        n, base = 2, key
+        while key in keys:
+            key, n = f"{base}~{n}", n + 1
+        keys[key] = p
+    return keys
+
+
+@dataclass
+class Run:
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def rows(self) -> list[dict[str, Any]]:
+        """metrics.jsonl as it is now (a partly written last line of a running job is skipped)."""
+        f = self.path / METRICS_FILE
+        if not f.is_file():
+            return []
+        rows = []
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        f = self.path / "summary.json"
+        try:
+            return json.loads(f.read_text()) if f.is_file() else {}
+        except json.JSONDecodeError:
+            return {}
+
+    def config_data(self) -> dict[str, Any]:
+        """config.yaml as written (unvalidated: an older run's config still shows)."""
+        f = self.path / CONFIG_FILE
+        return (yaml.safe_load(f.read_text()) or {}) if f.is_file() else {}
+
+    def changes(self) -> list[dict[str, Any]]:
+        f = self.path / CHANGES_FILE
+        return (yaml.safe_load(f.read_text()) or []) if f.is_file() else []
+
+    def datapool_file(self) -> Path:
+        try:
+            name = run_config(self.path).datapool.filename
+        except ConfigError:
+            name = (self.config_data().get("datapool") or {}).get("filename", "datapool.sqlite")
+        return self.path / name
+
+    def headline(self) -> dict[str, Any]:
+        """The figures `arborl runs` lists and `arborl compare` sets side by side."""
+        rows = self.rows()
+        steps = [r for r in rows if r.get("kind") == "step"]
+        evals = [r for r in rows if r.get("kind") == "eval"]
+        cfg = self.config_data()
+        summary = self.summary()
+        rollout = cfg.get("rollout") or {}
+        # what a job writes as it goes (a reader's -wal / -shm files would say the run moved)
+        written = [self.path / n for n in (METRICS_FILE, "summary.json", CONFIG_FILE, SPANS)] + [self.datapool_file()]
+        mtime = max((p.stat().st_mtime for p in written if p.exists()), default=self.path.stat().st_mtime)
+
+        def mean(key: str) -> float | None:
+            vals = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
+            return sum(vals) / len(vals) if vals else None
+
+        return {
+            "run": self.name,
+            "task": rollout.get("task"),
+            "model": (cfg.get("model") or {}).get("source"),
+            "steps": f"{len(steps)}/{rollout.get('steps', '?')}",
+            "state": "done" if summary and "stopped" not in summary else (
+                f"stopped ({summary['stopped']})" if summary else
+                ("running" if time.time() - mtime < 120 else "stopped")),
+            "reward_first": steps[0].get("reward") if steps else None,
+            "reward_last": steps[-1].get("reward") if steps else None,
+            "success_last": steps[-1].get("success") if steps else None,
+            "eval_success_first": evals[0].get("eval_success") if evals else None,
+            "eval_success_last": evals[-1].get("eval_success") if len(evals) > 1 else None,
+            "loss_last": steps[-1].get("loss/total") if steps else None,
+            "mean_step_s": mean("step_s"),
+            "mean_tokens_per_s": mean("rollout_tokens_per_s"),
+            "updated": time.strftime("%H:%M" if time.time() - mtime < 20 * 3600 else "%Y-%m-%d", time.localtime(mtime)),
+        }
+
+
+def metric_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every numeric column of the rows: the well-known ones first, then the others sorted."""
+    seen = {k for r in rows for k, v in r.items()
+            if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return [k for k in WELL_KNOWN if k in seen] + sorted(seen - set(WELL_KNOWN))
+
+
+def format_value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,72 @@
+"""Engine backends: what serves the policy behind the engine pool (docs/backends.md).
+
+``ENGINE_BACKENDS`` maps ``engine.backend`` to a factory ``f(cfg, loaded, *, index, version) ->
+EngineBackend``: ``builtin`` (arborl's own engine, in process), ``vllm`` (vLLM's server, supervised)
+and ``sglang`` (SGLang's server, CUDA only). The pool, the dispatcher and the gateway use every one
+the same way (``base.EngineBackend``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+from arborl.engine.async_engine import AsyncEngine
+from arborl.engine.backends.base import BackendError, EngineBackend, ServerUnavailableError
+from arborl.engine.engine import LLMEngine
+from arborl.models.quantize import to_serving_dtype
+from arborl.registry import Registry
+
+if TYPE_CHECKING:
+    from arborl.config import Config
+    from arborl.models import LoadedModel
+
+ENGINE_BACKENDS: Registry = Registry("engine backend")
+
+
+def engine_id(cfg: "Config", index: int) -> str:
+    return f"{cfg.engine.engine_id.rsplit('-', 1)[0]}-{index}"
+
+
+@ENGINE_BACKENDS.register("builtin")
+def builtin(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> AsyncEngine:
+    """arborl's engine in this process; engine 0 serves ``loaded.model``, the others a copy each."""
+    model = loaded.model if index == 0 else copy.deepcopy(loaded.model)
+    model = to_serving_dtype(model, cfg.engine.weights_dtype)  # low-precision rollout (I5); trainer's stays
+    ecfg = cfg.engine.model_copy(update={"engine_id": engine_id(cfg, index)})
+    eng = LLMEngine(model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + index,
+                    version=version)
+    return AsyncEngine(eng)
+
+
+@ENGINE_BACKENDS.register("vllm")
+def vllm(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineBackend:
+    """vLLM's OpenAI-compatible server on a copy of ``loaded.model`` written to disk (engine.vllm)."""
+    from arborl.engine.backends.vllm import VLLMEngine
+
+    return VLLMEngine(cfg, loaded, index=index, version=version)
+
+
+@ENGINE_BACKENDS.register("sglang")
+def sglang(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineBackend:
+    """SGLang's server on a copy of ``loaded.model`` written to disk (engine.sglang); CUDA only."""
+    from arborl.engine.backends.sglang import SGLangEngine
+
+    return SGLangEngine(cfg, loaded, index=index, version=version)
+
+
+def build_engines(cfg: "Config", loaded: "LoadedModel", *, version: int = 0) -> list[EngineBackend]:
+    """``gateway.num_engines`` engines of ``engine.backend``; the ones started are shut down if a later one fails."""
+    factory = ENGINE_BACKENDS.get(cfg.engine.backend)
+    engines: list = []
+    try:
+        for i in range(cfg.gateway.num_engines):
+            engines.append(factory(cfg, loaded, index=i, version=version))
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
+    return engines
+
+
+__all__ = ["ENGINE_BACKENDS", "BackendError", "EngineBackend", "ServerUnavailableError", "build_engines"]

@@ -1,0 +1,10 @@
+"""Speculative decoding: drafters (registry ``DRAFTERS``), lossless verification, adaptive draft
+length and metrics. Importing the package registers the built-in drafters."""
+
+from arborl.engine.spec import draft_model as _draft_model  # noqa: F401  (registers "draft_model")
+from arborl.engine.spec import suffix as _suffix  # noqa: F401  (registers "suffix")
+from arborl.engine.spec.decoder import SpecDecoder
+from arborl.engine.spec.draft import Draft
+from arborl.engine.spec.drafter import DRAFTERS, Drafter
+
+__all__ = ["DRAFTERS", "Draft", "Drafter", "SpecDecoder"]

@@ -1,0 +1,118 @@
+"""Adaptive draft length (Seer's marginal-benefit rule).
+
+A step that verifies k draft positions for a batch of B sequences costs T(B, k) seconds (the verify
+profile, measured at engine start or loaded) plus the drafting time, and yields 1 + sum_{j<=k} a_j
+tokens for each of the f * B sequences that got a draft (1 for the others), a_j being the live
+acceptance of draft position j per draft. Each step takes the k (0 = plain decoding) with the most
+tokens per second; where the verify cost outgrows what acceptance brings (large batches) that is
+k = 0 and speculation is off. While it is off the measured acceptance relaxes towards the prior, so
+speculation is tried again later (drafts may have become better: the group's siblings progressed).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+DECAY = 0.995  # per recorded draft: acceptance follows the policy as it trains
+RELAX = 0.98  # per plain step: what was measured fades towards the prior while speculation is off
+PRIOR_WEIGHT = 8.0  # drafts' worth of the prior acceptance
+
+
+@dataclass
+class VerifyProfile:
+    """T(B, n): seconds of one verify forward of B sequences with n draft positions (n = 0: decode)."""
+
+    batches: list[int]
+    positions: list[int]
+    seconds: list[list[float]]  # [batch index][position index]
+
+    def cost(self, batch: int, n: int) -> float:
+        per_b = [_interp(self.positions, self.seconds[i], n) for i in range(len(self.batches))]
+        return _interp(self.batches, per_b, batch)
+
+    def to_json(self) -> dict:
+        return {"batches": self.batches, "positions": self.positions, "seconds": self.seconds}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "VerifyProfile":
+        d = json.loads(Path(path).read_text())
+        return cls(list(d["batches"]), list(d["positions"]), [list(r) for r in d["seconds"]])
+
+    @classmethod
+    def measure(cls, run: Callable[[int, int], None], batches: list[int], positions: list[int], repeats: int = 3) -> "VerifyProfile":
+        """Time ``run(B, n)`` (best of ``repeats`` after one warm-up) on the grid."""
+        seconds = []
+        for b in batches:
+            row = []
+            for n in positions:
+                run(b, n)
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    run(b, n)
+                    best = min(best, time.perf_counter() - t0)
+                row.append(best)
+            seconds.append(row)
+        return cls(list(batches), list(positions), seconds)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), extended linearly past the ends."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class AdaptiveLength:
+    max_k: int
+    prior: float
+    profile: VerifyProfile | None
+    paths: int = 1  # candidate paths per draft: verify positions ~ k * paths
+    adaptive: bool = True
+    draft_s_per_seq: float = 0.0  # running estimate of drafting time per sequence
+    _acc: list[float] = field(default_factory=list)  # decayed accepted count per position
+    _drafts: float = 0.0  # decayed number of drafts
+
+    def __post_init__(self) -> None:
+        self._acc = [0.0] * self.max_k
+
+    def acceptance(self) -> list[float]:
+        """a_j, the expected accepted tokens at draft position j per draft (prior where unmeasured)."""
+        out = []
+        for j in range(self.max_k):
+            prior = self.prior ** (j + 1)
+            out.append((self._acc[j] + PRIOR_WEIGHT * prior) / (self._drafts + PRIOR_WEIGHT))
+        return out
+
+    def record(self, accepted: int) -> None:
+        self._drafts = self._drafts * DECAY + 1
+        for j in range(self.max_k):
+            self._acc[j] = self._acc[j] * DECAY + (1.0 if j < accepted else 0.0)
+
+    def record_draft_time(self, seconds: float, seqs: int) -> None:
+        if seqs:
+            self.draft_s_per_seq = 0.9 * self.draft_s_per_seq + 0.1 * seconds / seqs if self.draft_s_per_seq else seconds / seqs
+
+    def tokens_per_s(self, batch: int, k: int, drafted: float = 1.0) -> float:
+        """Expected tokens per second with k draft positions when a share ``drafted`` of the batch has a draft."""
+        assert self.profile is not None
+        gain = 1.0 + drafted * sum(self.acceptance()[:k])
+        cost = self.profile.cost(batch, k * self.paths if k else 0) + (batch * self.draft_s_per_seq if k else 0.0)
+        return batch * gain / cost
+
+    def choose(self, batch: int, drafted: float = 1.0) -> int:
+        if not self.adaptive or self.profile is None:
+            return self.max_k
+        return max(range(self.max_k + 1), key=lambda k: (self.tokens_per_s(batch, k, drafted), -k))
+
+    def relax(self) -> None:
+        self._drafts *= RELAX
+        self._acc = [a * RELAX for a in self._acc]

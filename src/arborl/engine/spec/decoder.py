@@ -1,0 +1,101 @@
+"""What the engine holds when speculation is on: the drafter, the adaptive draft length (with the
+verify-cost profile) and the metrics. ``drafts`` decides, each decode step, whether to verify drafts
+and which; the engine runs the verify forward and ``verify.accept``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from arborl.engine.sequence import Sequence
+from arborl.engine.spec.adaptive import AdaptiveLength, VerifyProfile
+from arborl.engine.spec.draft import Draft
+from arborl.engine.spec.drafter import DRAFTERS, Drafter, EngineView
+from arborl.engine.spec.metrics import SpecMetrics
+
+PROFILE_CONTEXT = 128  # tokens of context behind the profiled verify forwards
+
+
+def _grid(limit: int) -> list[int]:
+    out, x = [], 1
+    while x < limit:
+        out.append(x)
+        x *= 2
+    return out + [limit]
+
+
+def profile_verify(engine: EngineView, max_positions: int) -> VerifyProfile:
+    """Time the verify forward on the engine's own slots (before any request uses them)."""
+    runner = engine.runner
+    ctx = min(PROFILE_CONTEXT, engine.config.max_seq_len - max_positions - 2)
+
+    def run(b: int, n: int) -> None:
+        if n == 0:
+            runner.decode([0] * b, [ctx] * b)
+        else:
+            runner.verify([(s, ctx, [0] * (n + 1), list(range(-1, n))) for s in range(b)])
+
+    return VerifyProfile.measure(run, _grid(engine.config.max_batch_size), [0] + _grid(max_positions))
+
+
+class SpecDecoder:
+    def __init__(self, engine: EngineView, *, drafter: Drafter | None = None, profile: VerifyProfile | None = None) -> None:
+        cfg = engine.config.spec
+        self.config = cfg
+        self.max_seq_len = engine.config.max_seq_len
+        self.drafter = drafter if drafter is not None else DRAFTERS.get(cfg.drafter)(engine)
+        self.metrics = SpecMetrics()
+        if profile is None and cfg.adaptive:
+            path = Path(cfg.profile_path).expanduser() if cfg.profile_path else None
+            if path is not None and path.is_file():
+                profile = VerifyProfile.load(path)
+            else:
+                profile = profile_verify(engine, cfg.num_tokens * cfg.num_paths)
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(profile.to_json()))
+        self.length = AdaptiveLength(max_k=cfg.num_tokens, prior=cfg.prior_acceptance, profile=profile,
+                                     paths=cfg.num_paths, adaptive=cfg.adaptive)
+        self.last_k = 0
+
+    def drafts(self, batch: list[Sequence]) -> list[Draft] | None:
+        """The drafts to verify this step, one per sequence of ``batch``; None: decode plainly."""
+        for seq in batch:
+            self.drafter.sync(seq)
+        # would drafting pay if every sequence got a draft? then draft, and decide again on what came
+        k = self.last_k = self.length.choose(len(batch))
+        if k == 0:
+            return self._plain()
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(batch, k)
+        dt = time.perf_counter() - t0
+        self.metrics.draft_s += dt
+        self.length.record_draft_time(dt, len(batch))
+        out = []
+        for seq, d in zip(batch, drafts):
+            p = seq.request.params
+            depth = min(k, p.max_tokens - len(seq.output) - 1)  # tokens past max_tokens would be dropped
+            d = d.truncated(depth) if depth > 0 else Draft()
+            if len(seq.tokens) + len(d) > self.max_seq_len:
+                d = Draft()
+            out.append(d)
+        drafted = sum(1 for d in out if len(d))
+        k = self.last_k = self.length.choose(len(batch), drafted / len(batch)) if drafted else 0
+        if k == 0:
+            return self._plain()
+        return [d.truncated(k) for d in out]
+
+    def _plain(self) -> None:
+        self.metrics.plain_steps += 1
+        self.length.relax()
+        return None
+
+    def accepted(self, draft: Draft, n: int) -> None:
+        if len(draft):  # acceptance per draft: sequences without one are accounted for by their share
+            self.length.record(n)
+            self.metrics.record(len(draft), n)
+
+    def stats(self) -> dict:
+        d = self.metrics.as_dict()
+        d["spec_last_k"] = self.last_k
+        return d

@@ -1,0 +1,179 @@
+"""Suffix drafts (SuffixDecoding) from the request's own tokens and its GRPO group's (Seer).
+
+A ``TokenStore`` keeps token streams (one per request: prompt + output) with an index of where every
+n-gram (n = ``min_match``) ends. To draft, the last n tokens of the context find their earlier
+occurrences; each occurrence's match is extended backwards (up to ``max_match`` tokens) and the
+occurrences with the longest match vote for what follows. The single path follows the most frequent
+next token while the path's empirical probability stays >= ``min_prob``; multi-path adds the most
+frequent other continuations (Seer's top-k paths), verified together as one tree.
+
+One store per GRPO group, shared by the engines of a process, is fed by every member as it decodes,
+so a member drafts from its siblings; a request without a group (or with ``group_trees`` off) drafts
+from a store of its own. (The radix tree in ``prefix/`` indexes prefixes, not suffixes, so it does
+not fit here.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from arborl.config import SpecConfig
+from arborl.engine.sequence import Sequence
+from arborl.engine.spec.draft import Draft
+from arborl.engine.spec.drafter import DRAFTERS, EngineView
+
+MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram looked at per draft
+
+
+class TokenStore:
+    """Token streams and an n-gram -> (stream, end) index; writers from several threads are safe."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.streams: dict[str, list[int]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[list[int], int]]] = {}
+        self.lock = threading.Lock()
+
+    def extend(self, key: str, tokens: list[int]) -> None:
+        n = self.n
+        with self.lock:
+            s = self.streams.setdefault(key, [])
+            for t in tokens:
+                s.append(t)
+                if len(s) >= n:
+                    self.index.setdefault(tuple(s[-n:]), []).append((s, len(s)))
+
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.streams.values())
+
+    def continuations(self, context: list[int], k: int, max_match: int) -> list[list[int]]:
+        """The next (up to) ``k`` tokens after every recent occurrence of the context's longest
+        matching suffix (at least n tokens long), most recent first."""
+        n = self.n
+        if len(context) < n or k <= 0:
+            return []
+        with self.lock:
+            occ = list(self.index.get(tuple(context[-n:]), ())[-MAX_OCCURRENCES:])
+        best, conts = 0, []
+        for s, end in reversed(occ):
+            if end >= len(s):
+                continue  # nothing follows yet (e.g. the context's own last tokens)
+            m = n
+            while m < max_match and m < len(context) and end - 1 - m >= 0 and s[end - 1 - m] == context[-1 - m]:
+                m += 1
+            if m > best:
+                best, conts = m, []
+            if m == best:
+                conts.append(s[end : end + k])
+        return conts
+
+
+class GroupStores:
+    """One ``TokenStore`` per GRPO group, least recently used dropped past ``max_groups``."""
+
+    def __init__(self, max_groups: int) -> None:
+        self.max_groups = max_groups
+        self._stores: OrderedDict[str, TokenStore] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, group_id: str, n: int) -> TokenStore:
+        with self._lock:
+            store = self._stores.get(group_id)
+            if store is None or store.n != n:
+                store = self._stores[group_id] = TokenStore(n)
+            self._stores.move_to_end(group_id)
+            while len(self._stores) > self.max_groups:
+                self._stores.popitem(last=False)
+            return store
+
+    def __len__(self) -> int:
+        return len(self._stores)
+
+
+_SHARED: GroupStores | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_group_stores(max_groups: int) -> GroupStores:
+    """The process's group stores: engines of one process (an engine pool) share their groups' tokens."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = GroupStores(max_groups)
+        _SHARED.max_groups = max(_SHARED.max_groups, max_groups)
+        return _SHARED
+
+
+def draft_paths(conts: list[list[int]], k: int, num_paths: int, min_prob: float) -> list[list[int]]:
+    """Candidate paths from the continuations that vote: first the path of the most frequent next
+    token at every depth (while its probability among the votes stays >= min_prob), then the most
+    frequent other continuations."""
+    if not conts:
+        return []
+    path: list[int] = []
+    alive, prob = conts, 1.0
+    while len(path) < k:
+        counts = Counter(c[len(path)] for c in alive if len(c) > len(path))
+        if not counts:
+            break
+        tok, c = counts.most_common(1)[0]
+        prob *= c / len(alive)
+        if prob < min_prob:
+            break
+        path.append(tok)
+        alive = [a for a in alive if len(a) > len(path) - 1 and a[len(path) - 1] == tok]
+    paths = [path] if path else []
+    if num_paths > 1:
+        for cont, _ in Counter(tuple(c) for c in conts if c).most_common():
+            if len(paths) >= num_paths:
+                break
+            cand = list(cont)
+            if not any(p[: len(cand)] == cand for p in paths):
+                paths.append(cand)
+    return paths
+
+
+class SuffixDrafter:
+    def __init__(self, config: SpecConfig, groups: GroupStores | None = None) -> None:
+        self.config = config
+        self.groups = groups if groups is not None else shared_group_stores(config.max_groups)
+        self._fed: dict[str, int] = {}  # request id -> tokens of it already in its store
+        self._own: dict[str, TokenStore] = {}  # requests drafting from their own tokens only
+
+    def store_of(self, seq: Sequence) -> TokenStore:
+        gid = seq.request.group_id
+        if self.config.group_trees and gid:
+            return self.groups.get(gid, self.config.min_match)
+        store = self._own.get(seq.request_id)
+        if store is None:
+            store = self._own[seq.request_id] = TokenStore(self.config.min_match)
+        return store
+
+    def sync(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        fed = self._fed.get(rid, 0)
+        toks = seq.tokens
+        if fed < len(toks):
+            self.store_of(seq).extend(rid, toks[fed:])
+            self._fed[rid] = len(toks)
+
+    def propose(self, seqs: list[Sequence], k: int) -> list[Draft]:
+        c = self.config
+        out = []
+        for seq in seqs:
+            conts = self.store_of(seq).continuations(seq.tokens, k, c.max_match)
+            out.append(Draft.from_paths(draft_paths(conts, k, c.num_paths, c.min_prob)))
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.sync(seq)
+        self._fed.pop(seq.request_id, None)
+        self._own.pop(seq.request_id, None)
+
+    def weights_updated(self) -> None:
+        pass  # tokens stay good draft sources under new weights
+
+
+@DRAFTERS.register("suffix")
+def make_suffix_drafter(engine: EngineView) -> SuffixDrafter:
+    return SuffixDrafter(engine.config.spec)

@@ -1,0 +1,249 @@
+"""The bubblewrap sandbox runtime (``rollout.envs.runtime=bwrap``, the default).
+
+Each command is its own ``bwrap`` process: a read-only system (/usr, the few /etc files programs need,
+the running Python), the workspace bound read-write at ``rollout.envs.workspace_path`` (the only writable place
+besides a small private /tmp), its own PID, network (loopback only), IPC and UTS namespaces, a new
+session, and death with its parent. As root the command runs as the workspace's own unprivileged uid
+(``setpriv``, all capabilities dropped, no new privileges) so RLIMIT_NPROC caps its processes; as another
+user bubblewrap's user namespace does the same. Limits (CPU, address space, file size, processes) are set
+by ``prlimit`` on bwrap and inherited. When bwrap exits, its PID namespace goes, and with it every
+process the command started (``setsid``, daemons): nothing outlives a command.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import hashlib
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+
+from arborl.config import EnvsConfig
+from arborl.envs.base import ENV_RUNTIMES, CommandResult, EnvError, InfraError, SandboxUnavailableError, Workspace
+from arborl.envs.host import HostRuntime
+from arborl.envs.proc import rlimit_prefix, run_process
+from arborl.envs.workspace import copy_tree, remove_tree
+
+_ETC = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf",
+    "mime.types", "os-release", "debian_version",
+)  # fmt: skip
+_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_FIX = (
+    "install bubblewrap (`apt-get install -y bubblewrap` as root, or `make venv`), or, knowing that agent "
+    "commands then run with NO isolation on this machine, opt in with `--set rollout.envs.runtime=local`"
+)
+
+
+@lru_cache(maxsize=None)
+def check_bwrap(bwrap: str) -> str:
+    """The bwrap executable, once it has started a minimal sandbox here (cached); else
+    SandboxUnavailableError saying how to fix it."""
+    path = shutil.which(bwrap)
+    if path is None:
+        raise SandboxUnavailableError(f"bubblewrap ({bwrap!r}) is not installed: {_FIX}")
+    user = [] if os.geteuid() == 0 else ["--unshare-user"]
+    probe = [path, "--ro-bind", "/usr", "/usr", *_system_links(), "--proc", "/proc", "--dev", "/dev",
+             "--unshare-pid", "--unshare-net", *user, "--die-with-parent", "--", "true"]  # fmt: skip
+    try:
+        r = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxUnavailableError(f"bubblewrap at {path} cannot start a sandbox ({e}): {_FIX}") from e
+    if r.returncode != 0:
+        raise SandboxUnavailableError(
+            f"bubblewrap at {path} cannot start a sandbox here ({r.stderr.strip() or f'exit {r.returncode}'}); "
+            "unprivileged user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1 / "
+            f"user.max_user_namespaces), or: {_FIX}"
+        )
+    if shutil.which("prlimit") is None or (os.geteuid() == 0 and not os.path.exists("/usr/bin/setpriv")):
+        raise SandboxUnavailableError("the sandbox needs prlimit and setpriv from util-linux: apt-get install -y util-linux")
+    return path
+
+
+_etc_made: dict[tuple[Path, int, int], Path] = {}
+
+
+def build_etc(root: Path, cfg: EnvsConfig) -> Path:
+    """The sandbox's /etc: copies of the few host files programs need, and a passwd/group naming the
+    sandbox uids, in one directory under ``root`` (one mount instead of one per file: each mount is
+    ~1 ms of every command's start). Named by its content's hash, so processes share it; made once
+    per process and root."""
+    key = (root, cfg.sandbox_uid_base, cfg.sandbox_uids)
+    if key in _etc_made and _etc_made[key].is_dir():
+        return _etc_made[key]
+    _etc_made[key] = _build_etc(root, cfg)
+    return _etc_made[key]
+
+
+def _build_etc(root: Path, cfg: EnvsConfig) -> Path:
+    staging = Path(tempfile.mkdtemp(prefix=".etc-new-", dir=_mkroot(root)))
+    try:
+        for name in _ETC:
+            src = Path("/etc") / name
+            if src.is_symlink():
+                os.symlink(os.readlink(src), staging / name)
+            elif src.is_dir():
+                (staging / name).mkdir()
+                copy_tree(src, staging / name, uid=None)
+            elif src.is_file():
+                shutil.copyfile(src, staging / name)
+        users = ["root:x:0:0:root:/root:/bin/sh", "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"]
+        groups = ["root:x:0:", "nogroup:x:65534:"]
+        for uid in range(cfg.sandbox_uid_base, cfg.sandbox_uid_base + cfg.sandbox_uids) if os.geteuid() == 0 else [os.getuid()]:
+            users.append(f"sandbox{uid}:x:{uid}:{uid}:sandbox:/tmp:/bin/sh")
+            groups.append(f"sandbox{uid}:x:{uid}:")
+        (staging / "passwd").write_text("\n".join(users) + "\n")
+        (staging / "group").write_text("\n".join(groups) + "\n")
+        (staging / "hostname").write_text("sandbox\n")
+        os.chmod(staging, 0o755)
+        h = hashlib.sha256()
+        for p in sorted(staging.rglob("*")):
+            h.update(str(p.relative_to(staging)).encode())
+            h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes() if p.is_file() else b"/")
+        final = root / f".etc-{h.hexdigest()[:16]}"
+        if final.exists():
+            remove_tree(staging)
+        else:
+            try:
+                os.rename(staging, final)
+            except OSError:  # another process made it first
+                remove_tree(staging)
+        return final
+    except BaseException:
+        remove_tree(staging)
+        raise
+
+
+def _mkroot(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    return root
+
+
+def _system_links() -> list[str]:
+    """/bin, /lib, ... as the host has them: symbolic links into /usr, or read-only directories."""
+    out = []
+    for d in _SYSTEM_DIRS:
+        host = Path("/") / d
+        if host.is_symlink():
+            out += ["--symlink", os.readlink(host), f"/{d}"]
+        elif host.is_dir():
+            out += ["--ro-bind", str(host), f"/{d}"]
+    return out
+
+
+def _python_dirs() -> list[Path]:
+    """The running Python's installation and venv, where they are not already under /usr."""
+    dirs = {Path(sys.prefix), Path(sys.base_prefix), Path(os.path.realpath(sys.executable)).parent.parent}
+    return sorted(d for d in dirs if d.is_dir() and not str(d).startswith("/usr/"))
+
+
+def _parents(d: Path) -> list[Path]:
+    return [p for p in reversed(d.parents) if str(p) != "/"]
+
+
+@ENV_RUNTIMES.register("bwrap")
+class BwrapRuntime(HostRuntime):
+    name = "bwrap"
+
+    def __init__(self, cfg: EnvsConfig | None = None) -> None:
+        super().__init__(cfg)
+        self.bwrap = check_bwrap(self.cfg.bwrap_path)
+        self.drop_uid = self.is_root
+        self.etc = build_etc(self.root, self.cfg)
+        # relative paths are the working directory's (a config's `examples/` beside its agent command)
+        self.ro_binds = [str(Path(p).resolve()) for p in self.cfg.ro_binds]
+        for p in self.ro_binds:
+            if not Path(p).exists():
+                warnings.warn(f"rollout.envs.ro_binds: {p} does not exist on this host; it is left out of the sandbox")
+
+    def sandbox_argv(self, ws: Workspace, argv: list[str], *, unix_sockets: list[Path]) -> list[str]:
+        """The bwrap command line running ``argv`` in ``ws`` (public for tests and docs)."""
+        cfg = self.cfg
+        a = [self.bwrap, "--unsetenv", "POSIXLY_CORRECT", "--die-with-parent", "--new-session",
+             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+             "--hostname", "sandbox"]  # fmt: skip
+        # not --unshare-all as root: its user namespace would map uid 0 to 0 only, leaving no unprivileged
+        # uid for setpriv to switch to (and RLIMIT_NPROC never binds root)
+        if not self.is_root:
+            a += ["--unshare-user", "--disable-userns"]
+        a += ["--ro-bind", "/usr", "/usr", *_system_links(), "--ro-bind", str(self.etc), "/etc"]
+        # /tmp first: a bind below it (a socket, a ro_binds path) must land on the tmpfs, not under it
+        a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(cfg.tmp_mb * 1024 * 1024),
+              "--tmpfs", "/tmp"]  # fmt: skip
+        binds = [str(d) for d in _python_dirs()] if cfg.bind_python else []
+        binds += [p for p in self.ro_binds if Path(p).exists()]
+        for p in binds:
+            a += ["--ro-bind", p, p]
+        a += ["--bind", str(ws.path), cfg.workspace_path]
+        for s in unix_sockets:
+            a += ["--bind", str(s), str(s)]
+        # bwrap gives the directories it makes on the way to a mount point the host's modes (/root: 0700);
+        # open those that are not themselves mounts, so the sandbox uid can reach what is bound
+        mounts = {"/usr", "/etc", "/proc", "/dev", cfg.workspace_path, *binds, *map(str, unix_sockets)}
+        made = {str(p) for m in [*binds, *map(str, unix_sockets), cfg.workspace_path] for p in _parents(Path(m))}
+        for p in sorted(made):
+            if not any(p == m or p.startswith(m.rstrip("/") + "/") for m in mounts):
+                a += ["--chmod", "0755", p]
+        a += ["--remount-ro", "/", "--chdir", cfg.workspace_path]
+        uid = ws.extra.get("uid")
+        if isinstance(uid, int):
+            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--", "/usr/bin/setpriv",
+                  "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
+                  "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
+        else:
+            a += ["--"]
+        return a + argv
+
+    def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
+        path = "/usr/local/bin:/usr/bin:/bin"
+        if self.cfg.bind_python:
+            path = f"{Path(sys.executable).parent}:{path}"
+        out = {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+        out.update(env or {})
+        out["POSIXLY_CORRECT"] = "1"  # for prlimit's option parsing only; bwrap unsets it in the sandbox
+        return out
+
+    async def _exec(self, ws, argv, *, timeout_s, env, stdin, unix_sockets) -> CommandResult:  # noqa: ANN001
+        for s in unix_sockets:
+            if self.drop_uid and not os.stat(s).st_mode & 0o002:
+                raise EnvError(
+                    f"unix socket {s} is not writable by others, so the sandbox's unprivileged uid cannot connect "
+                    "to it: chmod it 0o666 (only sandboxes it is bound into and this host's users can reach it)"
+                )
+        status_r, status_w = os.pipe()  # bwrap writes {"exit-code": N} there only if the sandbox started
+        try:
+            sandbox = self.sandbox_argv(ws, argv, unix_sockets=unix_sockets)
+            sandbox[1:1] = ["--json-status-fd", str(status_w)]
+            res = await run_process(
+                rlimit_prefix(self.limits, nproc=True) + sandbox,
+                cwd=ws.path,
+                env=self._env(env),
+                stdin=stdin,
+                wall_s=timeout_s if timeout_s is not None else self.limits.wall_s,
+                output_bytes=self.cfg.output_kb * 1024,
+                shown_argv=argv,
+                pass_fds=(status_w,),
+            )
+            os.set_blocking(status_r, False)
+            try:
+                status = os.read(status_r, 65536).decode("utf-8", "replace")
+            except BlockingIOError:
+                status = ""
+        finally:
+            for fd in (status_r, status_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if res.killed is None and '"exit-code"' not in status:
+            raise InfraError(f"the sandbox did not start (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+        if res.returncode == 1 and res.stderr.startswith("bwrap: execvp"):
+            res.returncode = 127  # bwrap could not find the program: as a shell says it
+        if res.killed is None and self._over_disk(ws):
+            res.killed = "disk_limit"
+        return res

@@ -1,0 +1,208 @@
+"""What both runtimes share: workspaces on the host (prepare, evaluate's scratch copy, close).
+
+A runtime subclass says how one command runs (``_exec``); this class makes and removes the
+directories, holds a workspace's sandbox uid, and runs ``evaluate`` in a separate scratch workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from arborl.config import EnvsConfig
+from arborl.envs.base import CommandResult, EnvError, InfraError, Limits, Workspace
+from arborl.envs.proc import check_argv
+from arborl.envs.uids import UidPool
+from arborl.envs.workspace import (
+    check_template,
+    copy_tree,
+    copy_with_cp,
+    mount_tmpfs,
+    remove_bytecode,
+    remove_tree,
+    tree_bytes,
+    unmount,
+)
+
+_EPISODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def limits_of(cfg: EnvsConfig) -> Limits:
+    return Limits(
+        wall_s=cfg.wall_s,
+        cpu_s=cfg.cpu_s,
+        memory_mb=cfg.memory_mb,
+        processes=cfg.processes,
+        file_size_mb=cfg.file_size_mb,
+        disk_mb=cfg.disk_mb,
+    )
+
+
+class HostRuntime:
+    """Workspaces under ``cfg.root_dir``; subclasses implement ``_exec``."""
+
+    name = "host"
+    drop_uid = False  # run commands as a pooled unprivileged uid (bwrap as root)
+
+    def __init__(self, cfg: EnvsConfig | None = None) -> None:
+        self.cfg = cfg or EnvsConfig()
+        self.limits = limits_of(self.cfg)
+        self.root = Path(self.cfg.root_dir).expanduser().resolve()
+        self.is_root = os.geteuid() == 0
+        self.uids = UidPool(self.root / ".uids", self.cfg.sandbox_uid_base, self.cfg.sandbox_uids)
+        self._live: dict[str, Workspace] = {}
+        self._pending: set[str] = set()  # ids being prepared
+
+    # -- the protocol -------------------------------------------------------------------------------
+
+    async def prepare(self, template: Path, *, episode_id: str) -> Workspace:
+        template = check_template(template)
+        if not _EPISODE_ID.match(episode_id):
+            raise EnvError(
+                f"episode id {episode_id!r} cannot name a directory: use letters, digits, '.', '_' or '-' "
+                "(at most 128, not starting with '.' or '-')"
+            )
+        if episode_id in self._live or episode_id in self._pending:
+            raise EnvError(f"episode {episode_id!r} already has a live workspace: close it first or use a new id")
+        self._pending.add(episode_id)
+        try:
+            return await asyncio.to_thread(self._make, template, [], episode_id)
+        finally:
+            self._pending.discard(episode_id)
+
+    async def run(
+        self,
+        ws: Workspace,
+        argv: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        unix_sockets: Sequence[Path] = (),
+    ) -> CommandResult:
+        self._check_live(ws)
+        argv = check_argv(argv)
+        socks = [Path(s) for s in unix_sockets]
+        for s in socks:
+            if not s.is_absolute() or not s.exists():
+                raise EnvError(f"unix socket {s} does not exist (give the absolute path of a listening socket)")
+        return await self._exec(ws, argv, timeout_s=timeout_s, env=env, stdin=stdin, unix_sockets=socks)
+
+    async def evaluate(
+        self,
+        ws: Workspace,
+        tests: Path,
+        argv: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        self._check_live(ws)
+        argv = check_argv(argv)
+        tests = Path(tests).expanduser()
+        if not tests.is_dir():
+            raise EnvError(f"hidden tests directory {tests} does not exist or is not a directory")
+        scratch_id = f"{ws.episode_id}.eval-{secrets.token_hex(4)}"
+        # room for a full workspace, the tests and what the test run writes: an agent that filled its
+        # workspace must not make its own evaluation fail to start
+        size_mb = self.cfg.disk_mb + (tree_bytes(tests) >> 20) + 1 + self.cfg.disk_mb // 4 + 16
+        scratch = await asyncio.to_thread(self._make, ws.path, [(tests.resolve(), tests.name)], scratch_id, size_mb)
+        try:
+            return await self._exec(scratch, argv, timeout_s=timeout_s, env=env, stdin=None, unix_sockets=[])
+        finally:
+            await asyncio.to_thread(self._destroy, scratch)
+
+    async def close(self, ws: Workspace) -> None:
+        if self._live.get(ws.episode_id) is ws:
+            await asyncio.to_thread(self._destroy, ws)
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _check_live(self, ws: Workspace) -> None:
+        if self._live.get(ws.episode_id) is not ws:
+            raise EnvError(f"workspace {ws.episode_id!r} is not live in this runtime (closed, or made by another one)")
+
+    def _make(self, source: Path, extra: list[tuple[Path, str]], episode_id: str, size_mb: int | None = None) -> Workspace:
+        """A workspace holding a copy of ``source`` (and each ``extra`` directory at its relative name)."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        path = self.root / episode_id
+        if path.exists() or path.is_symlink():  # a crashed process's leftover: never reuse it
+            unmount(path)
+            remove_tree(path)
+        uid = self.uids.acquire() if self.drop_uid else None
+        ws = Workspace(episode_id=episode_id, path=path, template=source, runtime=self.name)
+        ws.extra["uid"] = uid
+        ws.extra["copy_mode"] = self.cfg.copy_mode
+        try:
+            path.mkdir(mode=0o700)
+            if self.is_root:
+                mount_tmpfs(path, size_mb=size_mb or self.cfg.disk_mb, uid=uid)
+                ws.extra["disk_cap"] = "tmpfs"
+            else:
+                ws.extra["disk_cap"] = "check"
+            for src, rel in [(source, ".")] + extra:
+                dst = path / rel
+                if rel != ".":
+                    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+                        dst.unlink()  # the agent's file in the hidden tests' place does not survive
+                    dst.mkdir(exist_ok=True)
+                    os.chown(dst, uid, uid) if uid is not None else None
+                if self.cfg.copy_mode == "cp" and rel == ".":
+                    copy_with_cp(src, dst, uid=uid)
+                else:
+                    copy_tree(src, dst, uid=uid)
+            if extra:
+                remove_bytecode(path)
+        except OSError as e:
+            self._destroy(ws, live=False)
+            if getattr(e, "errno", None) == 28:  # ENOSPC: the template does not fit the disk cap
+                raise EnvError(f"{source} does not fit in rollout.envs.disk_mb={self.cfg.disk_mb} MiB: raise it") from e
+            raise InfraError(f"cannot make workspace {path} from {source}: {e}") from e
+        except BaseException:
+            self._destroy(ws, live=False)
+            raise
+        self._live[episode_id] = ws
+        return ws
+
+    def _destroy(self, ws: Workspace, live: bool = True) -> None:
+        if live:
+            self._live.pop(ws.episode_id, None)
+        self._kill_leftovers(ws)
+        unmount(ws.path)
+        remove_tree(ws.path)
+        uid = ws.extra.get("uid")
+        if isinstance(uid, int):
+            self.uids.release(uid)
+
+    def _kill_leftovers(self, ws: Workspace) -> None:
+        """Kill processes still running as the workspace's uid (none should outlive a command)."""
+        uid = ws.extra.get("uid")
+        if not isinstance(uid, int):
+            return
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if os.stat(f"/proc/{pid}").st_uid == uid:
+                        os.kill(int(pid), 9)
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    pass
+
+    def _over_disk(self, ws: Workspace) -> bool:
+        """Without a tmpfs cap (not root), whether the workspace now holds more than disk_mb."""
+        return ws.extra.get("disk_cap") == "check" and tree_bytes(ws.path) > self.cfg.disk_mb * 1024 * 1024
+
+    async def _exec(
+        self,
+        ws: Workspace,
+        argv: list[str],
+        *,
+        timeout_s: float | None,
+        env: Mapping[str, str] | None,
+        stdin: str | None,
+        unix_sockets: list[Path],
+    ) -> CommandResult:
+        raise NotImplementedError

@@ -1,0 +1,143 @@
+"""Run one host process for a runtime: wall-clock timeout that kills its process group, output capped.
+
+Both runtimes start their command through this; the bwrap runtime's process is bubblewrap itself, whose
+death takes the sandbox's PID namespace (and every process in it) down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from arborl.envs.base import CommandResult, EnvError, Limits
+
+_READ = 65536
+_DRAIN_AFTER_KILL_S = 1.0  # a process that escaped the group may hold the pipes open: stop waiting
+
+
+def check_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` as a list of strings, or an EnvError saying what is wrong with it."""
+    if isinstance(argv, (str, bytes)):
+        raise EnvError(f"argv must be a list of strings, not one string ({argv!r}): use ['sh', '-c', {argv!r}]")
+    argv = list(argv)
+    if not argv:
+        raise EnvError("argv is empty: give the program and its arguments, e.g. ['python', '-m', 'pytest']")
+    for a in argv:
+        if not isinstance(a, str):
+            raise EnvError(f"argv items must be strings, got {type(a).__name__} {a!r} in {argv!r}")
+        if "\0" in a:
+            raise EnvError(f"argv item {a!r} contains a NUL byte")
+    if not argv[0]:
+        raise EnvError(f"argv[0] is empty in {argv!r}: name the program to run")
+    return argv
+
+
+def rlimit_prefix(limits: Limits, *, nproc: bool) -> list[str]:
+    """``prlimit`` options that set ``limits`` on the process it then executes (inherited by children).
+
+    The caller runs it with POSIXLY_CORRECT set so option parsing stops at the command's name."""
+    mb = 1024 * 1024
+    out = [
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s}",
+        f"--as={limits.memory_mb * mb}:{limits.memory_mb * mb}",
+        f"--fsize={limits.file_size_mb * mb}:{limits.file_size_mb * mb}",
+        "--core=0:0",
+    ]
+    if nproc:
+        out.append(f"--nproc={limits.processes}:{limits.processes}")
+    return out
+
+
+async def run_process(
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    stdin: str | None,
+    wall_s: float,
+    output_bytes: int,
+    shown_argv: list[str],
+    pass_fds: Sequence[int] = (),
+) -> CommandResult:
+    """Run ``argv`` in its own session; past ``wall_s`` or ``output_bytes`` the whole group is SIGKILLed."""
+    t0 = time.perf_counter()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=str(cwd),
+            env=dict(env),
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=tuple(pass_fds),
+        )
+    except FileNotFoundError:
+        return CommandResult(shown_argv, 127, "", f"command not found: {argv[0]}", time.perf_counter() - t0)
+    except PermissionError as e:
+        return CommandResult(shown_argv, 126, "", f"cannot execute {argv[0]}: {e}", time.perf_counter() - t0)
+    bufs: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
+    total = [0]
+    killed: list[str] = []
+
+    def kill(reason: str) -> None:
+        if not killed:
+            killed.append(reason)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    async def pump(stream: asyncio.StreamReader, buf: bytearray) -> None:
+        while chunk := await stream.read(_READ):
+            room = output_bytes - total[0]
+            if room > 0:
+                buf += chunk[:room]
+            total[0] += len(chunk)
+            if total[0] > output_bytes:
+                kill("output_limit")
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write((stdin or "").encode())
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            proc.stdin.close()
+
+    assert proc.stdout is not None and proc.stderr is not None
+    pumps = [asyncio.ensure_future(pump(proc.stdout, bufs["out"])), asyncio.ensure_future(pump(proc.stderr, bufs["err"]))]
+    feeder = asyncio.ensure_future(feed()) if stdin is not None else None
+    try:
+        await asyncio.wait_for(proc.wait(), wall_s)
+    except asyncio.TimeoutError:
+        kill("timeout")
+        await proc.wait()
+    except BaseException:  # cancelled: never leave the tree running
+        kill("cancelled")
+        await proc.wait()
+        raise
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the command left behind in its group
+        except (ProcessLookupError, PermissionError):
+            pass
+        done, pending = await asyncio.wait(pumps + ([feeder] if feeder else []), timeout=_DRAIN_AFTER_KILL_S)
+        for p in pending:
+            p.cancel()
+    return CommandResult(
+        argv=shown_argv,
+        returncode=proc.returncode if proc.returncode is not None else -9,
+        stdout=bufs["out"].decode("utf-8", "replace"),
+        stderr=bufs["err"].decode("utf-8", "replace"),
+        duration_s=time.perf_counter() - t0,
+        timed_out=killed[:1] == ["timeout"],
+        killed=killed[0] if killed else None,
+    )

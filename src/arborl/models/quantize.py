@@ -1,0 +1,202 @@
+r"""Low-precision serving copies of the policy (I5): the engines serve the policy in bfloat16, int8
+weight-only (CPU) or FP8 e4m3 weight-only (CUDA GPUs that have FP8), while the trainer keeps its fp32
+weights. ``engine.weights_dtype`` picks one; every weight update the trainer publishes is converted on
+arrival (:func:`load_serving_weights`). The gap between the two policies is what the rollout-mismatch
+metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IcePop) corrects.
+
+* ``bfloat16``: the whole model (and so the KV cache) in bf16.
+* ``int8``: every ``nn.Linear`` (projections, MLPs, LM head) becomes torch's dynamic-quantised int8
+  Linear (``torch.ao.nn.quantized.dynamic.Linear``: int8 weights, activations quantised per batch,
+  int8 GEMM on CPU through fbgemm / oneDNN). Weights are quantised per output channel, symmetric:
+  scale_o = max_i |W_oi| / 127, W_q = round(W / scale_o). Embeddings and norms stay fp32. CPU only.
+* ``float8_e4m3``: every ``nn.Linear`` becomes :class:`Fp8Linear`: e4m3 weights with a per-output-channel
+  scale (max |W_o| / 448), and on a CUDA GPU of compute capability >= 8.9 a ``torch._scaled_mm`` FP8
+  GEMM (activations quantised per tensor). Elsewhere serving refuses it with the reason;
+  :func:`fp8_linear_reference` is the same arithmetic in plain float (what the tests check on CPU).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+from arborl.types import ArborlError
+
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+class LowPrecisionError(ArborlError, ValueError):
+    """A low-precision serving mode this machine cannot run; the message says what to use instead."""
+
+
+# ----------------------------------------------------------------------------- int8 weight-only
+
+
+@contextmanager
+def _quiet_qtensors():
+    """torch >= 2.10 warns that its quantised tensor type is deprecated (in favour of torchao); it is
+    what torch's int8 CPU GEMM takes, so the warning is expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        yield
+
+
+def int8_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [out, in] as a per-output-channel symmetric qint8 tensor (scale = max |w_o| / 127)."""
+    w = w.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+    zeros = torch.zeros(w.shape[0], dtype=torch.long)
+    with _quiet_qtensors():
+        return torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+
+
+def to_int8_linear(linear: nn.Linear) -> DynamicInt8Linear:
+    with _quiet_qtensors():
+        q = DynamicInt8Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None, dtype=torch.qint8)
+    q.set_weight_bias(int8_weight(linear.weight), None if linear.bias is None else linear.bias.detach().float())
+    return q
+
+
+# ----------------------------------------------------------------------------- FP8 e4m3 weight-only
+
+
+def fp8_available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(can this device run the FP8 GEMM, why not)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False, "FP8 e4m3 GEMMs need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper); this is a CPU"
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) < (8, 9):
+        return False, f"the GPU has compute capability {major}.{minor}; FP8 GEMMs need >= 8.9"
+    return True, ""
+
+
+def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [out, in], float32 scale [out]) with scale_o = max |w_o| / 448."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The FP8 weight-only Linear in plain float: x @ (w8 * scale)^T + b (runs anywhere)."""
+    w = w8.to(torch.float32) * scale[:, None]
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A Linear with e4m3 weights and per-channel scales; ``_scaled_mm`` on FP8 GPUs."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w8, scale = fp8_weight(linear.weight)
+        dev = linear.weight.device
+        self.register_buffer("weight_fp8", w8.to(dev))
+        self.register_buffer("weight_scale", scale.to(dev))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w8, scale = fp8_weight(w.to(self.weight_fp8.device))
+        self.weight_fp8.copy_(w8)
+        self.weight_scale.copy_(scale)
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.is_cuda and self.in_features % 16 == 0 and self.out_features % 16 == 0:
+            sa = (x2.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+            xq = (x2.float() / sa).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=x2.device, dtype=torch.float32)
+            y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
+            y = (y.float() * self.weight_scale[None, :])
+            if self.bias is not None:
+                y = y + self.bias.float()
+            y = y.to(x.dtype)
+        else:
+            y = fp8_linear_reference(x2, self.weight_fp8, self.weight_scale, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+# ----------------------------------------------------------------------------- conversion and updates
+
+
+def _replace_linears(module: nn.Module, make) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, make(child))
+        else:
+            _replace_linears(child, make)
+
+
+def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
+    """Convert the engines' copy of the policy in place (idempotent) and return it."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise LowPrecisionError(f"engine.weights_dtype={weights_dtype!r}: use one of {', '.join(WEIGHTS_DTYPES)}")
+    if weights_dtype == "float32":
+        return model
+    if weights_dtype == "bfloat16":
+        return model.to(torch.bfloat16)
+    device = next(model.parameters()).device
+    if weights_dtype == "int8":
+        if device.type != "cpu":
+            raise LowPrecisionError("engine.weights_dtype=int8 is torch's CPU int8 GEMM: serve on the CPU "
+                                    "(model.device=cpu), or use bfloat16 / float8_e4m3 on a GPU")
+        model.float()
+        _replace_linears(model, to_int8_linear)
+        return model
+    ok, why = fp8_available(device)
+    if not ok:
+        raise LowPrecisionError(f"engine.weights_dtype=float8_e4m3: {why}; use int8 (CPU) or bfloat16")
+    model.to(torch.bfloat16)
+    _replace_linears(model, Fp8Linear)
+    return model
+
+
+def is_low_precision(model: nn.Module) -> bool:
+    """Whether the model holds converted (int8 / FP8) Linear modules."""
+    return any(isinstance(m, (DynamicInt8Linear, Fp8Linear)) for m in model.modules())
+
+
+@torch.no_grad()
+def load_serving_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Publish trainer weights (float, plain names ``...q_proj.weight``) into a converted model: an int8
+    / FP8 Linear's weight is re-quantised, every other tensor copied (and cast) as it is."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    quantised: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if isinstance(modules.get(prefix), (DynamicInt8Linear, Fp8Linear)) and leaf in ("weight", "bias"):
+            quantised.setdefault(prefix, {})[leaf] = tensor
+        elif name in params:
+            if params[name].shape != tensor.shape:
+                raise ArborlError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+        else:
+            raise ArborlError(f"update_weights: unknown parameter name {name!r}")
+    for prefix, parts in quantised.items():
+        mod = modules[prefix]
+        if "weight" not in parts:
+            raise ArborlError(f"update_weights: {prefix}.bias without its weight (a quantised Linear is set whole)")
+        w, b = parts["weight"], parts.get("bias")
+        if tuple(w.shape) != (mod.out_features, mod.in_features):
+            raise ArborlError(f"update_weights: {prefix}.weight has shape {tuple(w.shape)}, "
+                              f"expected {(mod.out_features, mod.in_features)}")
+        if isinstance(mod, DynamicInt8Linear):
+            old_bias = mod.bias()
+            mod.set_weight_bias(int8_weight(w), b.detach().float() if b is not None else old_bias)
+        else:
+            mod.set_weight(w, b)

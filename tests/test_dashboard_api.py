@@ -1,0 +1,190 @@
+"""The dashboard's JSON API over real run directories (a real tiny training run, and an agentic run
+written through arborl's own writers), over a real HTTP server: curves carry every numeric column,
+the timeline one bar per recorded piece, the trajectory view the trainer's tokens with the loss mask the
+data pool implies; the data pool is read without being written, and live; `/dashboard` under
+`arborl serve`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run
+from helpers.tiny_run import ENV, TINY, arborl_cmd, set_args
+
+from arborl.dashboard import create_app
+from arborl.dashboard.runs import WELL_KNOWN, RunNotFoundError
+from arborl.datapool import DataPool
+from arborl.gateway.server import bind
+from arborl.types import Call, Episode, EpisodeStatus
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    trained = trained_run(d)
+    agentic, written = agentic_run(d)
+    return d, trained, agentic, written
+
+
+class Server:
+    """The dashboard app on a loopback port (uvicorn in a thread)."""
+
+    def __init__(self, app) -> None:
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(runs):
+    with Server(create_app([runs[0]])) as srv:
+        yield srv
+
+
+def get(server, path, **params):
+    r = httpx.get(server.url + path, params=params, timeout=30)
+    return r
+
+
+def test_runs_and_curves_carry_every_numeric_column_well_known_first(runs, server):
+    d, trained, agentic, _ = runs
+    listed = get(server, "/api/runs").json()
+    assert [r["key"] for r in listed] == ["agentic", "trained"]
+    data = get(server, "/api/curves", run=["agentic", "trained"]).json()
+    cols = data["columns"]
+    # the other helpers' metrics show without being listed anywhere; the known ones come first, in order
+    assert {"zz_custom/metric", "spec/spec_mean_acceptance_length", "dispatch/pieces"} <= set(cols)
+    known = [c for c in cols if c in WELL_KNOWN]
+    assert cols[: len(known)] == known and known == [k for k in WELL_KNOWN if k in cols]
+    assert [r["zz_custom/metric"] for r in data["runs"]["agentic"]["step"]] == [7.0, 8.0, 9.0]
+    trained_rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward"] for r in data["runs"]["trained"]["step"]] == [r["reward"] for r in trained_rows
+                                                                      if r["kind"] == "step"]
+
+
+def test_timeline_has_one_bar_per_recorded_piece(runs, server):
+    _, trained, _, _ = runs
+    spans = [json.loads(x) for x in (trained / "timeline" / "spans.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        mine = [s for s in spans if s["kind"] == "span" and s["step"] == step - 1]
+        d = get(server, "/api/timeline", run="trained", step=step).json()
+        bars = [b for t in d["figure"]["data"] if t["type"] == "bar" for b in t["base"]]
+        assert d["bars"] == len(bars) == len(mine) > len({s["request_id"] for s in mine})  # pieces, not requests
+        assert sorted(bars) == sorted(s["start"] for s in mine)
+        assert d["probes"] == sum(s["probe"] for s in mine) > 0
+    # the agentic run's step 1: a migration (A moves engine 0 -> 1), a probe, a cancelled piece, a publish line
+    a = get(server, "/api/timeline", run="agentic", step=1).json()
+    assert (a["bars"], a["requests"], a["probes"], a["migrations"]) == (5, 3, 1, 1)
+    names = [t["name"] for t in a["figure"]["data"]]
+    assert names == ["engine 0", "engine 1", "cancelled / aborted", "probe", "migration"]
+    assert [s["x0"] for s in a["figure"]["layout"]["shapes"]] == [1.5]
+    assert get(server, "/api/timeline", run="agentic").json()["steps"] == [1, 2]
+    r = get(server, "/api/timeline", run="agentic", step=9)
+    assert r.status_code == 404 and "steps with one: 1, 2" in r.json()["detail"]
+
+
+def test_trajectory_view_decodes_recorded_ids_and_masks_generated_tokens(runs, server):
+    _, _, _, w = runs
+    groups = get(server, "/api/groups", run="agentic").json()
+    assert groups == [{"bucket": "step 1", "groups": [{"group_id": "step0:t1", "episodes": 2, "mean_reward": 0.5}]}]
+    eps = get(server, "/api/episodes", run="agentic", group="step0:t1").json()
+    assert [e["episode_id"] for e in eps] == ["ep-agentic-1", "ep-agentic-2"]
+    v = get(server, "/api/episode", run="agentic", id=w["episode_id"]).json()
+    tok = w["tokenizer"]
+    got = [[(t["id"], t["mask"]) for t in s["tokens"]] for s in v["samples"]]
+    assert got == w["samples"]
+    for s in v["samples"]:
+        assert [t["text"] for t in s["tokens"]] == [tok.decode([t["id"]], skip_special_tokens=False)
+                                                   for t in s["tokens"]]
+    first = [t for t in v["samples"][0]["tokens"] if t["mask"]][: len(w["trainer_logprobs"])]
+    assert [t["tlp"] for t in first] == pytest.approx(w["trainer_logprobs"], abs=1e-6)
+    assert [t["lp"] for t in first] == pytest.approx(w["c1_logprobs"], abs=1e-6)
+    assert v["has_trainer_logprobs"] and v["decoded"]
+    assert [c["call_id"] for c in v["aborted_calls"]] == ["call-agentic-3"]
+    assert v["samples"][1]["drift_events"][0]["reason"] == "history edited by the agent"
+    assert v["meta"]["hidden_tests"] == {"passed": 3, "failed": 1} and v["process_rewards"][0]["value"] == 0.5
+    assert v["interactions"][0]["result"] == "89" and v["reward_components"]["judge"] == 0.5
+    assert get(server, "/api/episode", run="agentic", id="nope").status_code == 404
+    r = get(server, "/api/episode", run="nope", id="x")
+    assert r.status_code == 404 and "runs: agentic, trained" in r.json()["detail"]
+
+
+def test_config_shows_knobs_changed_from_defaults(runs, server):
+    r = get(server, "/api/config", run="agentic")
+    assert "sekrit" not in r.text  # the gateway's admin key is never shown (the dashboard sits beside the gateway)
+    c = r.json()
+    assert c["knobs"][[k["key"] for k in c["knobs"]].index("gateway.admin_key")]["value"] == "***"
+    knobs = {k["key"]: k for k in c["knobs"]}
+    assert knobs["model.source"]["value"] == "tiny" and knobs["model.source"]["changed"]
+    assert knobs["rollout.task"]["value"] == "calculator" and not knobs["rollout.task"]["changed"]  # the default
+    assert knobs["train.lr"]["value"] == 0.05 and knobs["train.lr"]["default"] != 0.05
+    assert not knobs["engine.prefix_cache"]["changed"] and knobs["engine.prefix_cache"]["description"]
+    assert "task: calculator" in c["config_yaml"]
+
+
+def test_data_pool_is_read_only_and_live(runs, server):
+    _, _, agentic, _ = runs
+    f = agentic / "datapool.sqlite"
+    before = f.read_bytes()
+    assert get(server, "/api/episode", run="agentic", id="ep-agentic-1").status_code == 200
+    assert f.read_bytes() == before  # nothing written by the dashboard
+    # a running job records a new group: the next request shows it, no restart
+    with DataPool(f) as pool:
+        ep = Episode("t2", "step1:t2", status=EpisodeStatus.RUNNING, episode_id="ep-live")
+        pool.put_episode(ep)
+        pool.add_call(Call("ep-live", [1, 2, 3], [4, 5], [-1.0, -1.0], [-1.0, -1.0], [2, 2], "stop", call_id="c-live"))
+        groups = get(server, "/api/groups", run="agentic").json()
+        assert [b["bucket"] for b in groups] == ["step 1", "step 2"]
+        v = get(server, "/api/episode", run="agentic", id="ep-live").json()
+        assert [(t["id"], t["mask"]) for t in v["samples"][0]["tokens"]] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1)]
+    # and metrics appended by the job show in the next curves read
+    with (agentic / "metrics.jsonl").open("a") as out:
+        out.write(json.dumps({**AGENTIC_STEPS[-1], "step": 4, "reward": 1.0}) + "\n")
+    rows = get(server, "/api/curves", run="agentic").json()["runs"]["agentic"]["step"]
+    assert [r["reward"] for r in rows] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_unknown_paths_are_typed_errors(tmp_path):
+    with pytest.raises(RunNotFoundError, match="does not exist"):
+        create_app([tmp_path / "missing"])
+
+
+@pytest.mark.slow  # starts `arborl serve` in a subprocess
+def test_dashboard_is_served_under_arborl_serve(runs, tmp_path):
+    """`arborl serve` mounts the dashboard of runs_dir at /dashboard beside the gateway."""
+    d = runs[0]
+    cmd = arborl_cmd("serve", "--port", "0", *set_args([f"runs_dir={d}", "name=served", *TINY]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.endswith("/v1"), proc.stderr.read()
+        base = url[:-3]
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        page = httpx.get(base + "/dashboard/curves", timeout=30)
+        assert page.status_code == 200 and '<base href="/dashboard/">' in page.text
+        keys = [r["key"] for r in httpx.get(base + "/dashboard/api/runs", timeout=30).json()]
+        assert keys == ["agentic", "served", "trained"]
+        js = httpx.get(base + "/dashboard/static/plotly.min.js", timeout=30)
+        assert js.status_code == 200 and len(js.content) > 1_000_000
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)

@@ -1,0 +1,138 @@
+"""The dashboard in a real headless browser (Debian's chromium driven by Playwright): every page loads
+with no console error; the curves hold the run's values (two runs overlaid); the timeline draws one
+bar per recorded piece; the trajectory view shows the recorded token ids decoded, coloured by the loss
+mask the data pool implies (built here from the calls by hand), and the other colourings; a screenshot
+of each page goes to test-artifacts/dashboard/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run
+from test_dashboard_api import Server
+
+from arborl.dashboard import create_app
+
+pytestmark = pytest.mark.slow  # a training run and a browser: about a minute
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "dashboard"
+MASK_COLOURS = {1: "rgb(187, 247, 208)", 0: "rgb(229, 231, 235)"}  # app.js tokenColor, mode "mask"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: `make browser` (apt-get install -y chromium) installs it"
+    from playwright.sync_api import sync_playwright
+
+    d = tmp_path_factory.mktemp("runs")
+    trained = trained_run(d)
+    agentic, written = agentic_run(d)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with Server(create_app([d])) as srv, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield srv, browser, trained, agentic, written
+        browser.close()
+
+
+def open_page(site, path: str, shot: str, full: bool = True):
+    """The page at ``path`` once it says it is drawn; fails on any console error or uncaught exception."""
+    srv, browser = site[0], site[1]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(srv.url + path)
+    page.wait_for_selector("body[data-ready]", timeout=30_000)
+    assert page.get_attribute("body", "data-ready") == "1", page.inner_text("main")
+    page.screenshot(path=str(ARTIFACTS / f"{shot}.png"), full_page=full)
+    assert errors == [], errors
+    return page
+
+
+def test_runs_page_lists_both_runs(site):
+    page = open_page(site, "/", "runs")
+    page.wait_for_selector("#runs tr[data-run]")
+    shown = page.eval_on_selector_all("#runs tr[data-run]", "rows => rows.map(r => r.dataset.run)")
+    assert shown == ["agentic", "trained"]
+    page.close()
+
+
+def test_curves_show_the_runs_values_overlaid(site):
+    trained = site[2]
+    page = open_page(site, "/curves?run=agentic&run=trained", "curves")
+    traces = page.evaluate("""() => document.querySelector('[data-metric="reward"]').data
+                                 .map(t => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y)}))""")
+    rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    want = [r for r in rows if r["kind"] == "step"]
+    assert traces == [
+        {"name": "agentic", "x": [1, 2, 3], "y": [r["reward"] for r in AGENTIC_STEPS]},
+        {"name": "trained", "x": [r["step"] for r in want], "y": [r["reward"] for r in want]},
+    ]
+    acceptance = page.evaluate(
+        """() => Array.from(document.querySelector('[data-metric="spec/spec_mean_acceptance_length"]').data[0].y)""")
+    assert acceptance == [1.5, 2.5, 3.5]
+    # a column no list names (another helper's metric) is drawn when "all other metrics" opens
+    page.click("#more summary")
+    page.wait_for_selector('[data-metric="zz_custom/metric"] .scatterlayer .point')
+    custom = page.evaluate("""() => Array.from(document.querySelector('[data-metric="zz_custom/metric"]').data[0].y)""")
+    assert custom == [7.0, 8.0, 9.0]
+    assert page.locator('[data-metric="reward"] .scatterlayer .point').count() == 3 + len(want)
+    page.close()
+
+
+def test_timeline_has_one_bar_per_piece(site):
+    trained = site[2]
+    spans = [json.loads(x) for x in (trained / "timeline" / "spans.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        page = open_page(site, f"/timeline?run=trained&step={step}", f"timeline-step{step}")
+        pieces = [s for s in spans if s["kind"] == "span" and s["step"] == step - 1]
+        assert page.locator("#timeline .barlayer .point").count() == len(pieces)
+        assert len(pieces) > len({s["request_id"] for s in pieces})  # several pieces per request
+        assert f"{len(pieces)} bars" in page.inner_text("#timeline-info")
+        page.close()
+    page = open_page(site, "/timeline?run=agentic&step=1", "timeline-migration")
+    assert page.locator("#timeline .barlayer .point").count() == 5
+    assert "1 probes, 1 migrations" in page.inner_text("#timeline-info")
+    page.close()
+
+
+def test_trajectory_tokens_are_decoded_and_coloured_by_the_loss_mask(site):
+    written = site[4]
+    page = open_page(site, "/trajectories?run=agentic&group=step0:t1&episode=ep-agentic-1", "trajectory")
+    tok = written["tokenizer"]
+    for i, sample in enumerate(written["samples"]):
+        shown = page.eval_on_selector_all(
+            f'.tokens[data-sample="{i}"] .tok',
+            "els => els.map(e => [+e.dataset.id, +e.dataset.mask, e.textContent, getComputedStyle(e).backgroundColor])")
+        assert [(tid, m) for tid, m, _, _ in shown] == sample
+        assert [text for _, _, text, _ in shown] == [tok.decode([tid], skip_special_tokens=False) or f"⟨{tid}⟩"
+                                                     for tid, _ in sample]
+        assert [bg for _, _, _, bg in shown] == [MASK_COLOURS[m] for _, m in sample]
+    text = page.inner_text("#episode")
+    assert "hidden_tests" in text and "3 passed, 1 failed" in text and "history edited by the agent" in text
+    assert "aborted calls" in text and '"result": "89"' in text
+    # log-prob colouring: generated tokens by their probability, prompt tokens all one grey
+    page.check('input[name="mode"][value="logprob"]')
+    colours = page.eval_on_selector_all('.tokens[data-sample="0"] .tok[data-mask="1"]',
+                                        "els => els.map(e => getComputedStyle(e).backgroundColor)")
+    assert len(set(colours)) > 1 and MASK_COLOURS[1] not in colours
+    # the mismatch colouring is offered because this episode recorded trainer log-probs
+    assert page.is_enabled('input[name="mode"][value="mismatch"]')
+    page.check('input[name="mode"][value="mismatch"]')
+    page.screenshot(path=str(ARTIFACTS / "trajectory-mismatch.png"), full_page=True)
+    page.close()
+
+
+def test_config_page_marks_changed_knobs(site):
+    page = open_page(site, "/config?run=agentic", "config", full=False)  # a long table: the first screen
+    changed = page.eval_on_selector_all("#knobs tr.changed", "rows => rows.map(r => r.dataset.key)")
+    assert "model.source" in changed and "train.lr" in changed and "engine.prefix_cache" not in changed
+    page.check("#only-changed")
+    assert page.locator("#knobs tr[data-key]").count() == len(changed)
+    page.close()

@@ -1,0 +1,158 @@
+"""Low-precision rollout (I5): the engines' copy of the policy in bf16 / int8 / FP8 while the trainer keeps
+fp32; weight updates are converted on arrival; the gap shows in the rollout log-probs. The FP8 GEMM runs
+only on CUDA GPUs with FP8 (skipped here with the reason); its CPU reference is tested."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arborl.assemble import build_gateway
+from arborl.config import Config, EngineConfig, ModelConfig, load_config
+from arborl.engine import LLMEngine
+from arborl.models import load_model
+from arborl.models.quantize import (
+    Fp8Linear,
+    LowPrecisionError,
+    fp8_available,
+    fp8_linear_reference,
+    fp8_weight,
+    int8_weight,
+    is_low_precision,
+    to_serving_dtype,
+)
+from arborl.types import ArborlError, GenerateRequest, SamplingParams
+
+TINY = ModelConfig(source="tiny", tiny_hidden=64, tiny_vocab=512, tiny_layers=2, seed=1)
+
+
+def tiny():
+    return load_model(TINY).model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def rollout_logprobs(model, seed=0):
+    eng = LLMEngine(model, EngineConfig(max_seq_len=128, max_batch_size=4), eos_token_ids=[])
+    reqs = [GenerateRequest([1 + i, 7, 9, 3], SamplingParams(temperature=1.0, max_tokens=6, seed=seed + i, ignore_eos=True))
+            for i in range(3)]
+    return eng.generate(reqs)
+
+
+def test_int8_weight_is_per_channel_symmetric_and_within_half_a_step():
+    w = torch.randn(8, 16) * torch.arange(1, 9)[:, None]  # rows of very different scale
+    q = int8_weight(w)
+    scale = w.abs().amax(dim=1) / 127
+    assert torch.allclose(q.q_per_channel_scales().float(), scale, rtol=1e-6)
+    assert (q.q_per_channel_zero_points() == 0).all()
+    assert ((q.dequantize() - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    assert q.int_repr().abs().max() == 127  # every row's largest weight uses the full range
+
+
+@pytest.mark.parametrize("dtype,bound", [("bfloat16", 0.05), ("int8", 0.2)])
+def test_serving_copy_is_close_to_fp32_and_not_equal(dtype, bound):
+    m = tiny()
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref = logits(m, ids)
+    served = to_serving_dtype(copy.deepcopy(m), dtype)
+    got = logits(served, ids)
+    # relative error of the logits (measured: bf16 ~0.015; int8 ~0.08-0.11, its activations are
+    # quantised per batch too, on this random 64-wide model)
+    gap = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < gap < bound
+    assert is_low_precision(served) == (dtype == "int8")
+    # the trainer's model is untouched: fp32 parameters, plain Linear layers
+    assert next(m.parameters()).dtype == torch.float32 and not is_low_precision(m)
+    assert torch.equal(logits(m, ids), ref)
+    assert to_serving_dtype(served, dtype) is served  # idempotent (engine replicas copy a converted model)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_weight_updates_are_converted_on_arrival(dtype):
+    m = tiny()
+    served = to_serving_dtype(copy.deepcopy(m), dtype)
+    eng = LLMEngine(served, EngineConfig(max_seq_len=64), eos_token_ids=[])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eng.update_weights({k: v.clone() for k, v in m.state_dict().items()}, version=1)
+    expect = to_serving_dtype(copy.deepcopy(m), dtype)  # a fresh conversion of the new fp32 weights
+    ids = torch.randint(0, 512, (1, 10))
+    assert torch.equal(logits(served, ids), logits(expect, ids))
+    with pytest.raises(ArborlError, match="unknown parameter|unknown parameter name"):
+        eng.update_weights({"nope.weight": torch.zeros(1)}, version=2)
+
+
+def test_low_precision_rollout_shows_a_mismatch_and_fp32_none():
+    m = tiny()
+    fp32 = rollout_logprobs(copy.deepcopy(m))
+    again = rollout_logprobs(copy.deepcopy(m))
+    assert [r.logprobs for r in fp32] == [r.logprobs for r in again]
+    for dtype in ("bfloat16", "int8"):
+        low = rollout_logprobs(to_serving_dtype(copy.deepcopy(m), dtype))
+        # same seeds: compare the log-probs of the first token (same prompt, same RNG draw)
+        diffs = [abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(fp32, low)]
+        assert max(diffs) > 1e-4, dtype
+
+
+def test_weights_dtype_knob_reaches_the_engines_and_not_the_trainer(tmp_path):
+    cfg = load_config(None, ["model.source=tiny", "model.tiny_vocab=512", "engine.max_seq_len=64",
+                             "engine.weights_dtype=int8", "gateway.num_engines=2", f"runs_dir={tmp_path}"])
+    loaded = load_model(cfg.model)
+    trainer_model = loaded.model
+    serving = copy.deepcopy(trainer_model)
+    import dataclasses
+
+    built = build_gateway(cfg, loaded=dataclasses.replace(loaded, model=serving), run_dir=tmp_path / "r")
+    try:
+        models = [e.engine.runner.model for e in built.engines.engines]
+        assert len(models) == 2 and all(is_low_precision(x) for x in models)
+        assert not is_low_precision(trainer_model)
+    finally:
+        built.close()
+    assert Config().engine.weights_dtype == "float32"
+
+
+def test_fp8_reference_on_cpu():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    w8, scale = fp8_weight(lin.weight)
+    assert w8.dtype == torch.float8_e4m3fn
+    deq = w8.float() * scale[:, None]
+    # e4m3 keeps 3 mantissa bits: each weight within 2^-4 relative (plus the subnormal floor)
+    assert ((deq - lin.weight).abs() <= lin.weight.abs() * 2**-4 + scale[:, None] * 2**-9).all()
+    x = torch.randn(5, 32)
+    ref = fp8_linear_reference(x, w8, scale, lin.bias)
+    assert torch.allclose(ref, F.linear(x, deq, lin.bias), atol=1e-5)
+    assert (ref - lin(x)).abs().max() < 0.05 * lin(x).abs().max()
+    mod = Fp8Linear(lin)  # on CPU its forward is the reference
+    assert torch.equal(mod(x), ref)
+
+
+def test_fp8_serving_is_refused_on_cpu_with_the_reason():
+    ok, why = fp8_available("cpu")
+    assert not ok and "CUDA" in why
+    with pytest.raises(LowPrecisionError, match="float8_e4m3: FP8 e4m3 GEMMs need a CUDA GPU"):
+        to_serving_dtype(tiny(), "float8_e4m3")
+    with pytest.raises(LowPrecisionError, match="use one of"):
+        to_serving_dtype(tiny(), "int4")
+
+
+@pytest.mark.skipif(not fp8_available()[0], reason=fp8_available()[1] or "no FP8 GPU")
+def test_fp8_gemm_on_gpu_matches_the_reference():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32).cuda()
+    mod = Fp8Linear(lin)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    got = mod(x).float()
+    ref = fp8_linear_reference(x.float(), mod.weight_fp8, mod.weight_scale, mod.bias).float()
+    # the GPU also quantises the activations to e4m3: within a few per cent of the weight-only reference
+    assert (got - ref).abs().max() < 0.08 * ref.abs().max()
+    m = to_serving_dtype(load_model(TINY).model.cuda(), "float8_e4m3")
+    assert is_low_precision(m)

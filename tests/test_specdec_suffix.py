@@ -1,0 +1,110 @@
+"""Suffix drafts: n-gram matching over token stores, frequency-scored single path and top-k
+multi-path, group stores fed from several threads at once, LRU of groups. < 1 s."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from arborl.config import SpecConfig
+from arborl.engine.sequence import Sequence
+from arborl.engine.spec.draft import Draft
+from arborl.engine.spec.suffix import GroupStores, SuffixDrafter, TokenStore, draft_paths
+from arborl.types import GenerateRequest, SamplingParams
+
+
+def seq(tokens: list[int], rid: str, group: str = "") -> Sequence:
+    return Sequence(GenerateRequest(list(tokens), SamplingParams(), request_id=rid, group_id=group), torch.Generator(), 0)
+
+
+def test_longest_match_votes_and_frequency_path():
+    store = TokenStore(n=2)
+    store.extend("a", [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 8])
+    # context ends in 1 2 3: the occurrences matching 3 tokens (two of them) vote, not the 2-token one (9 2 3)
+    conts = store.continuations([0, 1, 2, 3], k=3, max_match=8)
+    assert conts == [[4, 5, 8], [4, 5, 9]]
+    assert draft_paths(conts, 3, 1, 0.1) == [[4, 5, 8]]  # ties at depth 3 go to the most recent
+    assert draft_paths(conts, 3, 1, 0.6) == [[4, 5]]  # min_prob: 1/2 at depth 3 is below 0.6
+    # max_match caps how far a match extends back: then 9 2 3 counts as long as 1 2 3
+    assert len(store.continuations([0, 1, 2, 3], k=3, max_match=2)) == 3
+    assert store.continuations([7, 7], k=3, max_match=8) == []  # no occurrence
+    assert TokenStore(n=3).continuations([1, 2], k=3, max_match=8) == []  # shorter than min_match
+
+
+def test_multipath_top_k_tree():
+    conts = [[4, 5, 6], [4, 5, 6], [4, 7, 7], [8, 1, 1]]
+    paths = draft_paths(conts, 3, 3, 0.0)
+    assert paths == [[4, 5, 6], [4, 7, 7], [8, 1, 1]]
+    d = Draft.from_paths(paths)
+    assert d.tokens == [4, 5, 6, 7, 7, 8, 1, 1] and d.parents == [-1, 0, 1, 0, 3, -1, 5, 6]
+    assert d.depth() == 3 and len(d.truncated(1)) == 2 and d.truncated(2).parents == [-1, 0, 0, -1, 3]
+
+
+def test_group_members_draft_from_siblings_and_self_only_does_not():
+    cfg = SpecConfig(enabled=True, min_match=2)
+    sibling = [10, 11, 12, 13, 14, 15, 16, 17]
+    for group_trees, expect in ((True, [14, 15, 16]), (False, [])):
+        d = SuffixDrafter(cfg.model_copy(update={"group_trees": group_trees}), GroupStores(4))
+        done = seq([1, 2] + sibling, "s0", "g")
+        d.sync(done)
+        d.release(done)
+        me = seq([1, 2, 10, 11, 12, 13], "s1", "g")
+        d.sync(me)
+        assert d.propose([me], 3)[0].tokens == expect
+
+
+def test_group_store_fed_concurrently_from_threads():
+    """Several engines (threads) feed one group's store at once: every n-gram is indexed exactly once."""
+    stores = GroupStores(4)
+    drafters = [SuffixDrafter(SpecConfig(enabled=True, min_match=2), stores) for _ in range(4)]
+    streams = {f"m{i}": torch.randint(0, 20, (2000,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)}
+
+    def feed(worker: int) -> None:
+        d = drafters[worker]
+        for rid in list(streams)[worker::4]:
+            s = seq(streams[rid][:1], rid, "grp")
+            for t in streams[rid][1:]:
+                s.output.append(t)
+                d.sync(s)
+                d.propose([s], 3)  # readers interleave with writers
+
+    threads = [threading.Thread(target=feed, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store = stores.get("grp", 2)
+    assert store.streams == streams
+    want: dict[tuple, int] = {}
+    for s in streams.values():
+        for i in range(len(s) - 1):
+            want[tuple(s[i : i + 2])] = want.get(tuple(s[i : i + 2]), 0) + 1
+    assert {k: len(v) for k, v in store.index.items()} == want
+
+
+def test_group_stores_keep_the_most_recent_groups():
+    stores = GroupStores(max_groups=2)
+    a = stores.get("a", 2)
+    stores.get("b", 2)
+    assert stores.get("a", 2) is a  # a used again: b is now the oldest
+    stores.get("c", 2)
+    assert len(stores) == 2 and stores.get("a", 2) is a
+    assert stores.get("b", 2) is not None and len(stores.get("b", 2).streams) == 0  # b was dropped
+
+
+def test_suffix_knobs_change_the_drafts():
+    stream = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 8]
+
+    def propose(ctx: list[int], **knobs) -> list[int]:
+        d = SuffixDrafter(SpecConfig(enabled=True, group_trees=False, **knobs), GroupStores(2))
+        s = seq(stream + ctx, "q")
+        d.sync(s)
+        return d.propose([s], 3)[0].tokens
+
+    assert propose([0, 1, 2, 3]) == [4, 5, 8]
+    assert propose([0, 1, 2, 3], min_prob=0.6) == [4, 5]
+    assert propose([0, 9, 2, 3], max_match=2) == [4, 5, 8]  # 2-token matches everywhere: the frequent path
+    assert propose([0, 9, 2, 3]) == [4, 6, 7]  # the longest match (9 2 3) decides
+    assert propose([0, 2, 3], min_match=3) == []  # "2 3" is too short a match
+    assert len(propose([0, 1, 2, 3], num_paths=3)) > 3  # a tree with the other continuations
