@@ -377,3 +377,27 @@ def test_copy_mode_cp_and_copy_make_the_same_workspace(tmp_path):
 def test_unknown_runtime_names_the_choices(tmp_path):
     with pytest.raises(Exception, match="bwrap, local"):
         make_runtime(EnvsConfig(runtime="docker", root_dir=str(tmp_path)))
+
+
+def test_tmp_stays_writable_with_binds_and_a_socket_below_it(tmp_path):
+    """A venv, a ro_binds path or the gateway's socket under /tmp must not cost the sandbox its /tmp."""
+    import socket as _socket
+    import tempfile as _tempfile
+
+    d = Path(_tempfile.mkdtemp(prefix="arborl-test-bind-"))  # on the host's /tmp
+    d.chmod(0o755)
+    (d / "data.txt").write_text("x\n")
+    sock_path = d / "s.sock"
+    srv = _socket.socket(_socket.AF_UNIX)
+    srv.bind(str(sock_path))
+    sock_path.chmod(0o777)
+    try:
+        rt = _rt(tmp_path, ro_binds=[str(d)])
+        argv = ["sh", "-c", f"cat {d}/data.txt && echo hi > /tmp/f && cat /tmp/f && stat -c %a /tmp"]
+        _, r = _one(rt, _template(tmp_path), argv, unix_sockets=[sock_path])
+        assert r.stdout.split() == ["x", "hi", "1777"], (r.stdout, r.stderr)
+    finally:
+        srv.close()
+        sock_path.unlink(missing_ok=True)
+        (d / "data.txt").unlink()
+        d.rmdir()

@@ -186,8 +186,8 @@ class BwrapRuntime(HostRuntime):
         # open those that are not themselves mounts, so the sandbox uid can reach what is bound
         mounts = {"/usr", "/etc", "/proc", "/dev", cfg.workspace_path, *binds, *map(str, unix_sockets)}
         made = {str(p) for m in [*binds, *map(str, unix_sockets), cfg.workspace_path] for p in _parents(Path(m))}
-        for p in sorted(made):
-            if not any(p == m or p.startswith(m.rstrip("/") + "/") for m in mounts):
+        for p in sorted(made):  # never /tmp itself: it stays the world-writable tmpfs (1777) with binds below it
+            if p != "/tmp" and not any(p == m or p.startswith(m.rstrip("/") + "/") for m in mounts):
                 a += ["--chmod", "0755", p]
         a += ["--remount-ro", "/", "--chdir", cfg.workspace_path]
         uid = ws.extra.get("uid")
