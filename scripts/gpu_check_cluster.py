@@ -1,6 +1,7 @@
 """The Ray deployment on a lent GPU: two CUDA engine actors sharing one GPU (cluster.engine_gpus=0.4
 each) and the CUDA trainer in the driver, a few training steps of SmolLM2 (or --model-path), the weight
-sync figures for each method, an engine actor killed and back at the current version, and PD greedy
+sync figures for each method (the collective one with the backend it chose: gloo when the engines
+share the trainer's GPU, NCCL needs a GPU per rank), an engine actor killed and back at the current version, and PD greedy
 outputs equal to colocated ones. One JSON line last; exit status 1 when a check failed.
 
 Run on a CUDA machine that has arborl installed with the ray extra (pip install -e '.[ray]'):
@@ -98,8 +99,11 @@ def main() -> int:
         state = trainer.engine_state()
         mb = sum(v.numel() * v.element_size() for v in state.values()) / 1e6
         version = engines[0].version
-        for method in ("object_store", "safetensors"):
-            built.cluster.publisher.sync = WEIGHT_SYNC.get(method)(root / "weights")
+        for method in ("object_store", "safetensors", "collective"):
+            sync = WEIGHT_SYNC.get(method)(root / "weights")
+            built.cluster.use_sync(sync)
+            if method == "collective":  # NCCL needs a GPU per rank; engines sharing the trainer's GPU use gloo
+                out["collective_backend"] = sync.backend
             ms = []
             for _ in range(3):
                 s = {k: v.clone() for k, v in state.items()}
@@ -108,6 +112,13 @@ def main() -> int:
                 asyncio.run(built.engines.update_weights(s, version))
                 ms.append((time.perf_counter() - t) * 1000)
             out[f"weight_sync_ms_per_100mb_{method}"] = round(statistics.median(ms) * 100 / mb, 1)
+
+        async def same_tokens():
+            return [(await e.generate(_greedy([5, 6, 7]))) for e in engines]
+
+        rs = asyncio.run(same_tokens())  # after the collective's versions: both engines hold the same weights
+        check("collective_sync_loaded", rs[0].token_ids == rs[1].token_ids and rs[0].versions[0] == version
+              and sync.fallbacks == 0, {"backend": sync.backend, "groups": sync.groups_formed})
 
         async def pd_vs_colocated():
             pd = disaggregate(engines, 1)[0]

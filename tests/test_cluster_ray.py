@@ -132,6 +132,7 @@ def test_killed_engine_actor_loses_no_request_and_rejoins_at_the_current_version
     engines = built.engines.engines
     # one piece per request (chunk_tokens >= its tokens): a piece lost with its engine continues elsewhere
     pool = EnginePool.from_config(engines, SchedulingConfig(dispatch="seer", chunk_tokens=256, migration="recompute"))
+    built.cluster.attach(pool)  # as build_gateway does: a rejoined engine gets pieces again
     victim = engines[0]
     old_pid = victim.pid
 
@@ -153,9 +154,14 @@ def test_killed_engine_actor_loses_no_request_and_rejoins_at_the_current_version
         info = await victim.actor.info.remote()
         back = await victim.generate(_greedy([1, 2, 3]))
         other = await engines[1].generate(_greedy([1, 2, 3]))
-        return results, info, back, other
+        # Seer dispatch places pieces on the restarted engine again (least loaded engine asks first)
+        again = await asyncio.gather(*(pool.lease(session_id=f"r{i}", group_id=f"r{i}", current=None, n=1)
+                                       .engine.generate(_greedy([40 + i, 41], n=4, rid=f"r{i}")) for i in range(4)))
+        return results, info, back, other, again
 
-    results, info, back, other = asyncio.run(run())
+    results, info, back, other, again = asyncio.run(run())
+    assert {r.engine_id for r in again} == {"engine-0", "engine-1"}
+    assert all(r.versions == [2] * 4 for r in again)
     assert all(len(r.token_ids) == 200 and r.finish_reason.value == "length" for r in results)  # none lost
     assert pool.dispatcher.counts["rescued"] >= 1
     assert not victim.down and victim.restarts == 1 and victim.pid != old_pid and info["pid"] == victim.pid
@@ -172,6 +178,16 @@ def test_a_placement_group_the_cluster_cannot_hold_fails_fast(ray_session, tmp_p
         build_gateway(cfg, run_dir=tmp_path / "big")
     assert time.monotonic() - t0 < 30
     assert ray.is_initialized()
+
+
+def test_rollout_workers_reserve_cluster_worker_cpus_and_fail_fast_when_they_do_not_fit(deployed, tmp_path):
+    from arborl.cluster.workers import RayWorkerPool
+
+    cfg = tiny_cfg(tmp_path, "w", "cluster.worker_cpus=0.75", "cluster.placement_timeout_s=3")
+    pool = RayWorkerPool(1, cfg.rollout, cfg.cluster, base_url="http://127.0.0.1:9/v1", model="m")
+    with pytest.raises(ClusterError, match="worker_cpus=0.75"):  # the two engines hold both CPUs
+        asyncio.run(pool.start())
+    assert pool.pg is None  # its placement group was removed again
 
 
 def test_a_training_step_survives_an_engine_actor_killed_mid_rollout_and_loses_nothing(deployed):
@@ -199,3 +215,105 @@ def test_a_training_step_survives_an_engine_actor_killed_mid_rollout_and_loses_n
     failed = [e for e in episodes if e.meta.get("infra_error")]
     assert all(e.status.value == "failed" for e in failed)  # calls lost with the actor: retried, never trained
     assert victim.down or victim.pid != old_pid  # it died (coming back is the previous test's check)
+
+
+def _reference_greedy(trainer, state, prompt, n=12):
+    model = copy.deepcopy(trainer.model).eval()
+    model.load_state_dict(state)
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_collective_weight_sync_broadcasts_and_survives_a_killed_member(deployed):
+    """cluster.weight_sync=collective (gloo here): versions reach both actors exactly by broadcast, one
+    group for all of them; a member killed before a broadcast sends that version through the object
+    store, the restarted actor loads it, and the next version re-forms the group with it."""
+    from arborl.cluster.collective import CollectiveSync
+
+    _, built, trainer = deployed
+    engines = built.engines.engines
+    sync = CollectiveSync()
+    built.cluster.use_sync(sync)
+    sync.timeout_s = 30
+    assert sync.backend == "gloo"
+    victim = engines[0]
+
+    def state(v):
+        return {k: t + 0.01 * v * torch.randn_like(t) for k, t in trainer.engine_state().items()}
+
+    async def run():
+        deadline = time.monotonic() + 120
+        while any(e.down for e in engines) and time.monotonic() < deadline:  # an earlier test's kill
+            await asyncio.sleep(0.2)
+        s = {v: state(v) for v in (20, 21, 22, 23)}
+        await built.engines.update_weights(s[20], 20)
+        await built.engines.update_weights(s[21], 21)
+        first = [await e.generate(_greedy([5, 6, 7])) for e in engines]
+        groups = sync.groups_formed
+        os.kill(victim.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        await built.engines.update_weights(s[22], 22)  # the broadcast meets a dead member
+        while victim.down and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        at_rejoin = victim.version
+        await built.engines.update_weights(s[23], 23)
+        last = [await e.generate(_greedy([5, 6, 7])) for e in engines]
+        # a version asked of an actor that did not receive its broadcast (as one rejoining just after it):
+        # the handle falls back to the object-store copy
+        again = await victim.update_weights(s[23], 23)
+        return s, first, groups, at_rejoin, last, again
+
+    s, first, groups, at_rejoin, last, again = asyncio.run(run())
+    assert again > 0 and victim.version == 23 and not victim.down
+
+    assert groups == 1  # two versions, one group
+    assert [r.token_ids for r in first] == [_reference_greedy(trainer, s[21], [5, 6, 7])] * 2
+    assert sync.fallbacks == 1 and at_rejoin == 22  # the version it missed, through the object store
+    assert sync.groups_formed == 2  # re-formed with the restarted actor
+    assert all(r.versions == [23] * 12 for r in last)
+    assert [r.token_ids for r in last] == [_reference_greedy(trainer, s[23], [5, 6, 7])] * 2
+
+
+def test_rollout_worker_actor_killed_mid_step_fails_only_its_episodes_which_are_retried(deployed):
+    """rollout.workers=2 on Ray: the episodes run in two worker actors; one is SIGKILLed mid-rollout:
+    its episodes are infrastructure failures (retried, never trained on), no other episode or call is
+    lost, the step trains, and Ray restarts the worker."""
+    from arborl.cluster.workers import RayWorkerPool
+
+    cfg, built, trainer = deployed
+    wcfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"workers": 2, "infra_retries": 3}),
+                                  "cluster": cfg.cluster.model_copy(update={"worker_cpus": 0.0})})
+    before = {e.episode_id for e in built.pool.episodes()}
+
+    async def step():
+        deadline = time.monotonic() + 120
+        while any(e.down for e in built.engines.engines) and time.monotonic() < deadline:  # an earlier test's kill
+            await asyncio.sleep(0.2)
+        ctl = Controller(wcfg, built.gateway, built.engines, built.pool, trainer, make_suite(wcfg.rollout))
+        try:
+            task = asyncio.ensure_future(ctl.train_step(7))
+            while (ctl.workers is None or ctl.workers.stats()["in_flight"] < 4) and not task.done():
+                await asyncio.sleep(0.005)
+            pool = ctl.workers
+            assert isinstance(pool, RayWorkerPool) and len(set(pool.pids()) | {os.getpid()}) == 3
+            victim = pool.pids()[0]
+            os.kill(victim, signal.SIGKILL)
+            m = await task
+            while pool.stats()["worker_restarts"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            return m, pool.stats(), victim, pool.pids()
+        finally:
+            await ctl.close()
+
+    m, stats, victim, pids = asyncio.run(step())
+    assert m["samples"] > 0
+    assert stats["worker_deaths"] == 1 and stats["worker_restarts"] == 1 and victim not in pids and len(pids) == 2
+    episodes = [e for e in built.pool.episodes() if e.episode_id not in before]
+    failed = [e for e in episodes if e.meta.get("infra_error")]
+    assert failed and all(e.status.value == "failed" and "rollout worker" in e.meta["infra_error"] for e in failed)
+    assert not [e for e in episodes if e.status.value == "running"]
+    assert sum(len(e.calls) for e in built.pool.episodes()) == built.gateway.stats.calls_recorded
+    assert m.get("rollout/infra_failures", 0) == len(failed)

@@ -1,9 +1,11 @@
 """Weight sync payloads (cluster.weight_sync): a version is published once however many engines load
 it; safetensors files on shared storage round-trip exactly (tied weights included) and an older
-version's file is removed once a newer one is out; the knob picks the method."""
+version's file is removed once a newer one is out; the knob picks the method; the collective
+method's flat layout round-trips every dtype."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from arborl.cluster.deploy import make_publisher
@@ -39,4 +41,29 @@ def test_the_knobs_pick_the_method_and_the_shared_directory(tmp_path):
     pub.payload(_state(), 1)
     assert [x.name for x in (tmp_path / "nfs").iterdir()] == ["policy-v1.safetensors"]
     assert make_publisher(load_config(None, [])).sync.name == "object_store"  # the default
-    assert sorted(WEIGHT_SYNC.names()) == ["object_store", "safetensors"]
+    assert make_publisher(load_config(None, ["cluster.weight_sync=collective"])).sync.name == "collective"
+    assert sorted(WEIGHT_SYNC.names()) == ["collective", "object_store", "safetensors"]
+
+
+def test_collective_layout_round_trips_mixed_dtypes_in_one_buffer_per_dtype():
+    from arborl.cluster.collective import Layout
+
+    state = {**_state(), "half.weight": torch.randn(3, 5).half(), "steps": torch.arange(4)}
+    layout = Layout.of(state)
+    flat = layout.flatten(state, "cpu")
+    assert sorted(flat) == ["float16", "float32", "int64"]  # one broadcast per dtype
+    assert flat["float32"].numel() == 32 * 8 * 2 + 8
+    got = layout.unflatten(flat)
+    assert all(got[k].dtype == state[k].dtype and torch.equal(got[k], state[k]) for k in state)
+    empty = layout.empty("cpu")
+    assert {k: (v.dtype, v.numel()) for k, v in empty.items()} == {k: (v.dtype, v.numel()) for k, v in flat.items()}
+
+
+def test_an_actor_asked_for_a_version_it_missed_says_so():
+    from arborl.cluster.collective import ActorSide, CollectivePayload, MissedBroadcast
+
+    side = ActorSide()
+    side.staged = (4, _state())
+    with pytest.raises(MissedBroadcast):
+        side.take(CollectivePayload(5))  # not broadcast to it, no object-store copy: its handle resends one
+    assert set(side.take(CollectivePayload(4))) == set(_state()) and side.staged is None

@@ -1,5 +1,5 @@
 """Suffix drafts: n-gram matching over token stores, frequency-scored single path and top-k
-multi-path, group stores fed from several threads at once, LRU of groups. < 1 s."""
+multi-path, group stores fed from several threads at once, LRU of groups; the bench's paired tau. A few seconds."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from arborl.config import SpecConfig
 from arborl.engine.sequence import Sequence
 from arborl.engine.spec.draft import Draft
 from arborl.engine.spec.suffix import GroupStores, SuffixDrafter, TokenStore, draft_paths
+from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 
 
@@ -108,3 +109,19 @@ def test_suffix_knobs_change_the_drafts():
     assert propose([0, 9, 2, 3]) == [4, 6, 7]  # the longest match (9 2 3) decides
     assert propose([0, 2, 3], min_match=3) == []  # "2 3" is too short a match
     assert len(propose([0, 1, 2, 3], num_paths=3)) > 3  # a tree with the other continuations
+
+
+def test_paired_tau_measures_every_variant_on_the_same_streams():
+    """The bench's tau: the three variants draft on the same sampled streams; references of the group
+    raise it, multi-path more (tiny model, vocab 16, so that siblings share n-grams)."""
+    from arborl.bench.specdec_bench import paired_tau, references
+    from arborl.models.loading import LoadedModel
+
+    model = tiny_llama(layers=2, hidden=32, vocab=16, heads=4, kv_heads=2, seed=5, init_std=0.6)
+    loaded = LoadedModel(model, None, "tiny", [15], 16, 2048)
+    prompts, params = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4]], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    stores = GroupStores(64)
+    references(loaded, prompts, params, stores, "g")
+    tau = paired_tau(loaded, prompts, 2, params, stores, "g")
+    assert tau["positions"] == 2 * 2 * 12  # every second of the 23 decode positions of 4 streams
+    assert tau["group"] > tau["self"] + 0.2 and tau["group_multipath"] > tau["group"]

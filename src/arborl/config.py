@@ -57,7 +57,8 @@ class SpecConfig(Section):
     drafter: str = Field(
         "suffix",
         description="what proposes draft tokens: suffix (matches in the request's own tokens and its GRPO group's), "
-        "draft_model (a layer-truncated copy of the policy), or module:attr / file.py:attr",
+        "draft_model (a layer-truncated copy of the policy), mtp (a multi-token-prediction head on the policy's "
+        "hidden state, trained online with train.mtp), or module:attr / file.py:attr",
     )
     num_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per sequence and step (k, tokens)")
     adaptive: bool = Field(
@@ -82,6 +83,10 @@ class SpecConfig(Section):
     )
     max_groups: int = Field(256, ge=1, description="suffix drafter: group token stores kept per process (least recent dropped)")
     draft_layers: int = Field(2, ge=1, description="draft_model drafter: decoder layers kept from the policy")
+    mtp_path: str | None = Field(
+        None, description="mtp drafter: file of head weights to start from (train.mtp saves one; None = the "
+        "deterministic init from the policy's last layer); published heads replace it"
+    )
 
 
 class VLLMConfig(Section):
@@ -168,6 +173,11 @@ class EngineConfig(Section):
         "capability >= 8.9); weight updates are converted on arrival, mismatch/* metrics show the gap",
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+    cpu_packed_weights: bool = Field(
+        True,
+        description="on CPU with float32 weights, run the projections through oneDNN from weights reordered once per "
+        "weight update (faster decode; one extra copy of the Linear weights in memory)",
+    )
     engine_id: str = Field("engine-0", description="name stamped on every result this engine serves")
     backend: str = Field(
         "builtin",
@@ -436,12 +446,33 @@ class CorrectionConfig(Section):
         return self
 
 
+class MTPTrainConfig(Section):
+    """Online training of the mtp drafter's head (engine.spec.drafter=mtp), published with the policy weights.
+
+    After each policy step, on the step's rollout tokens, the policy's hidden states detached."""
+
+    enabled: bool = Field(False, description="train the MTP head every step and publish it with the policy weights")
+    loss: Literal["topk_kl", "hard_ce"] = Field(
+        "topk_kl",
+        description="topk_kl: KL(policy || head) over the policy's top_k next tokens, renormalised (Forge); "
+        "hard_ce: cross-entropy on the sampled next token (slime)",
+    )
+    top_k: int = Field(20, ge=1, description="topk_kl: tokens of the policy's next-token distribution kept (K)")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the head (its own optimiser)")
+    iters: int = Field(1, ge=1, description="optimiser steps per RL step, each over all of the step's samples")
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm of the head (0 = no clipping)")
+    save_path: str | None = Field(
+        None, description="file the head is written to after each step (load it with engine.spec.mtp_path)"
+    )
+
+
 class TrainConfig(Section):
     """Policy optimisation: advantages, loss, mismatch correction."""
 
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="training-inference mismatch correction")
+    mtp: MTPTrainConfig = Field(default_factory=MTPTrainConfig, description="online training of the MTP drafter's head")
     lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
@@ -821,6 +852,18 @@ class ClusterConfig(Section):
     )
     engine_cpus: float = Field(1.0, gt=0, description="CPUs reserved per engine actor (its placement-group bundle; torch threads)")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved per engine actor (fractions share one GPU)")
+    trainer_restarts: int = Field(
+        0, ge=0,
+        description="0 = the trainer, controller and gateway run in the `arborl train` process; N > 0 = they run in "
+        "a Ray trainer actor that, when it dies, is started again from the last checkpoint up to N times",
+    )
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor (cluster.trainer_restarts > 0)")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor (cluster.trainer_restarts > 0)")
+    worker_cpus: float = Field(
+        0.5, ge=0,
+        description="CPUs reserved per rollout worker actor (rollout.workers > 0; agents and sandboxes mostly wait "
+        "on the engines; 0 = no reservation, no placement group)",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the engine bundles"
     )
@@ -832,10 +875,11 @@ class ClusterConfig(Section):
         3, ge=0,
         description="times Ray restarts an engine actor that died; a restarted one loads the latest weights and rejoins",
     )
-    weight_sync: Literal["object_store", "safetensors"] = Field(
+    weight_sync: Literal["object_store", "safetensors", "collective"] = Field(
         "object_store",
         description="how new weights reach the engine actors: object_store = one ray.put per version, every "
-        "actor reads it; safetensors = one file per version in cluster.shared_dir (storage every node sees)",
+        "actor reads it; safetensors = one file per version in cluster.shared_dir (storage every node sees); "
+        "collective = torch.distributed broadcast from the driver (NCCL on GPUs, gloo on CPU)",
     )
     shared_dir: str | None = Field(
         None, description="directory for weight_sync=safetensors (unset = <run_dir>/weights); must be shared by all nodes"

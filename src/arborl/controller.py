@@ -40,6 +40,7 @@ from arborl.rollout.timeline import Timeline
 from arborl.seeding import derive_seed
 from arborl.tasks import TaskSuite
 from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, apply_verdict
+from arborl.train.mtp import make_mtp_trainer
 from arborl.train.samples import build_samples
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError, Episode, EpisodeStatus, Task
@@ -83,6 +84,8 @@ class Controller:
         self._exit: contextlib.AsyncExitStack | None = None
         self.infra_failures = 0  # episodes run again after an infrastructure failure
         self.judge = make_judge(cfg.rollout.judge, gateway) if hasattr(suite, "judge_input") else None
+        # the mtp drafter's head, trained after each policy step and published with it (train.mtp)
+        self.mtp = make_mtp_trainer(cfg, trainer.policy) if trainer is not None else None
 
     # -- episodes ---------------------------------------------------------------------------------
     async def _agent(self, sampling: dict[str, Any]):
@@ -95,9 +98,16 @@ class Controller:
                 self._exit = contextlib.AsyncExitStack()
                 base_url = await self._exit.enter_async_context(serve_http(self.gateway))
                 unix_socket = await self._exit.enter_async_context(serve_unix(self.gateway))
-                pool = WorkerPool(r.workers, r, base_url=base_url, model=self.gateway.model_name,
-                                  stall_s=r.worker_stall_s, log_dir=Path(self.cfg.run_dir) / "workers",
-                                  unix_socket=unix_socket)
+                if self.cfg.cluster.backend == "ray":  # rollout workers as Ray actors (cluster/workers.py)
+                    from arborl.cluster.workers import RayWorkerPool
+
+                    pool = RayWorkerPool(r.workers, r, self.cfg.cluster, base_url=base_url,
+                                         model=self.gateway.model_name, stall_s=r.worker_stall_s,
+                                         unix_socket=unix_socket)
+                else:
+                    pool = WorkerPool(r.workers, r, base_url=base_url, model=self.gateway.model_name,
+                                      stall_s=r.worker_stall_s, log_dir=Path(self.cfg.run_dir) / "workers",
+                                      unix_socket=unix_socket)
                 await pool.start()
                 self._exit.push_async_callback(pool.close)
                 self.workers = pool
@@ -216,6 +226,8 @@ class Controller:
         assert self.trainer is not None
         t0 = time.perf_counter()
         state = await asyncio.to_thread(self.trainer.engine_state)
+        if self.mtp is not None:
+            state = {**state, **self.mtp.state()}
         self.version += 1
         await self.engines.update_weights(state, self.version)
         return time.perf_counter() - t0
@@ -245,6 +257,8 @@ class Controller:
         publish_s = 0.0
         if samples:
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
+            if self.mtp is not None:
+                train_metrics.update(await asyncio.to_thread(self.mtp.train_step, samples))
             publish_s = await self.publish()
             self.cancel(self.policy.on_version(self.version))
         else:

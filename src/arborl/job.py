@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from arborl.assemble import build_gateway
+from arborl.cluster.supervise import Supervisor, supervised
 from arborl.config import Config, ConfigError, dump_config
 from arborl.controller import Controller
 from arborl.extensions import check_extensions
@@ -80,6 +81,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     console = console or Console()
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
+    if cfg.cluster.backend == "ray" and cfg.cluster.trainer_restarts > 0 and not supervised():
+        # the trainer as a Ray actor, started again from its last checkpoint when it dies (cluster/supervise.py)
+        run = RunDir(cfg.run_dir, cfg.datapool)
+        return Supervisor(cfg, train, run.has_checkpoint).run(resume=resume, overwrite=overwrite)
     check_extensions(cfg)
     check_loggers(cfg.report.loggers)
     run = RunDir(cfg.run_dir, cfg.datapool)

@@ -1,15 +1,21 @@
 """``arborl bench cluster``: the Ray deployment (cluster.backend=ray) on a local Ray cluster.
 
 1. step time: the tiny job (random 1-layer Llama, SmolLM2 tokenizer, even_tokens, two engines)
-   trained in process and with its engines as Ray actors; ``ray_vs_local_step_ratio`` = mean step
-   time on Ray / in process (the first step, which warms up, left out).
-2. faults: the same job on Ray while an engine actor is killed (SIGKILL) at a random moment of a
-   step; the run must finish; ``episodes_lost`` = episodes left unfinished in the data pool,
-   ``calls_lost`` = calls the gateway answered but the data pool lacks; the killed actor must come
-   back at the current version. ``cluster_startup_s`` = ray.init + placement group + actors ready.
+   trained in process and with its engines as Ray actors, both built side by side and their steps
+   alternated; ``ray_vs_local_step_ratio`` = median over step pairs of (Ray step / the local step just
+   before it), the warm-up pair left out; ``rollout_s_*``, ``train_s_*``, ``publish_s_*`` say where a
+   step's time goes.
+2. faults: the same job on Ray, its episodes in a rollout-worker actor, while an engine actor (step
+   1) and the worker actor (step 2) are killed (SIGKILL) at a random moment of a step; the run must
+   finish; then ``arborl train`` with the trainer and the gateway in a trainer actor
+   (cluster.trainer_restarts=1), killed at a random moment after its first checkpoint, must finish
+   from it (``trainer_run_finished_after_kill``); ``episodes_lost`` = episodes left unfinished in the
+   data pools, ``calls_lost`` = calls the gateway answered but the data pool lacks (first run); the
+   killed engine actor must come back at the current version. ``cluster_startup_s`` = ray.init + placement group + actors ready.
 3. weight sync: a ~100 MB policy (tiny Llama, hidden 256) published to two engine actors by each
-   method of ``cluster.weight_sync``; ``weight_sync_ms_per_100mb_<method>`` = publish + every actor
-   loaded, per 100 MB of weights (median of 3).
+   method of ``cluster.weight_sync`` (collective: a gloo broadcast here, NCCL on GPUs);
+   ``weight_sync_ms_per_100mb_<method>`` = publish + every actor loaded, per 100 MB of weights
+   (median of 3; the collective's first version, which forms the group, is one of the 3).
 4. PD: one engine decodes 4 long streams while multi-turn prompts of ~400 tokens arrive; colocated,
    the decode engine prefills them itself; with PD the other engine prefills and the KV moves over.
    ``pd_vs_colocated_decode_stall`` = p99 of the gap between a stream's tokens (decode-step latency)
@@ -66,7 +72,7 @@ async def _steps(cfg: Config, built, trainer: Trainer, steps: int, on_step=None)
             t0 = time.perf_counter()
             task = asyncio.ensure_future(ctl.train_step(step))
             if on_step is not None:
-                await on_step(step, task)
+                await on_step(step, task, ctl)
             rows.append(await task)
             times.append(time.perf_counter() - t0)
     finally:
@@ -82,33 +88,66 @@ def _build(cfg: Config, run_dir: Path):
 
 
 def _step_times(root: Path, steps: int) -> dict[str, Any]:
-    out = {}
-    for backend in ("local", "ray"):
-        cfg = _cfg(root, f"steps-{backend}", f"cluster.backend={backend}")
-        built, trainer = _build(cfg, root / f"steps-{backend}")
-        try:
-            times, _ = asyncio.run(_steps(cfg, built, trainer, steps))
-        finally:
-            built.close()
-        out[backend] = statistics.mean(times[1:])
+    """Both deployments side by side, their steps alternated (local, ray, local, ray, ...): a step on
+    Ray is compared with the local step just before it, so load from other processes on the machine
+    hits both alike. The ratio is the median of the per-pair ratios (the warm-up pair left out)."""
+    cfgs = {b: _cfg(root, f"steps-{b}", f"cluster.backend={b}") for b in ("local", "ray")}
+    built: dict[str, Any] = {}
+    try:
+        for b, cfg in cfgs.items():
+            built[b] = _build(cfg, root / f"steps-{b}")
+        times, parts = asyncio.run(_alternate(cfgs, built, steps))
+    finally:
+        for b in built.values():
+            b[0].close()
+    ratios = [r / lo for lo, r in zip(times["local"][1:], times["ray"][1:])]
+    out: dict[str, Any] = {b: statistics.mean(times[b][1:]) for b in times}
+    out["ratio"] = statistics.median(ratios)
+    for b in parts:  # where a step's time goes, per deployment
+        for k in ("rollout_s", "train_s", "publish_s"):
+            out[f"{k}_{b}"] = statistics.mean(r[k] for r in parts[b][1:])
     return out
 
 
+async def _alternate(cfgs: dict[str, Config], built: dict[str, Any], steps: int):
+    ctls = {b: Controller(cfgs[b], g.gateway, g.engines, g.pool, t, make_suite(cfgs[b].rollout))
+            for b, (g, t) in built.items()}
+    times: dict[str, list[float]] = {b: [] for b in ctls}
+    rows: dict[str, list[dict]] = {b: [] for b in ctls}
+    try:
+        for step in range(steps):
+            for b, ctl in ctls.items():
+                t0 = time.perf_counter()
+                rows[b].append(await ctl.train_step(step))
+                times[b].append(time.perf_counter() - t0)
+    finally:
+        for ctl in ctls.values():
+            await ctl.close()
+    return times, rows
+
+
 def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
-    cfg = _cfg(root, "faults", "cluster.backend=ray", "rollout.infra_retries=3")
+    # episodes in one rollout-worker actor (no CPU reserved: the two engines hold the local cluster's)
+    cfg = _cfg(root, "faults", "cluster.backend=ray", "rollout.infra_retries=3", "rollout.workers=1",
+               "cluster.worker_cpus=0")
     t0 = time.perf_counter()
     built, trainer = _build(cfg, root / "faults")
     startup = time.perf_counter() - t0
     victim = built.engines.engines[rng.randrange(2)]
-    killed: list[int] = []
+    killed: list[str] = []
 
-    async def inject(step: int, task: asyncio.Future) -> None:
-        if step != 1:
+    async def inject(step: int, task: asyncio.Future, ctl: Controller) -> None:
+        if step not in (1, 2):
             return
         await asyncio.sleep(rng.uniform(0.05, 0.5))  # a random moment of the step's rollout
-        if not task.done():
-            killed.append(victim.pid)
+        if task.done():
+            return
+        if step == 1:  # an engine actor
+            killed.append("engine")
             os.kill(victim.pid, signal.SIGKILL)
+        elif ctl.workers is not None and ctl.workers.pids():  # the rollout worker actor
+            killed.append("worker")
+            os.kill(ctl.workers.pids()[0], signal.SIGKILL)
 
     try:
         times, rows = asyncio.run(_steps(cfg, built, trainer, steps, inject))
@@ -126,6 +165,7 @@ def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
         return {
             "cluster_startup_s": round(startup, 2),
             "faults_injected": len(killed),
+            "faults_killed": "+".join(killed),
             "steps_finished": len(rows),
             "episodes_lost": sum(e.status.value == "running" for e in episodes),
             "calls_lost": answered - recorded,
@@ -137,6 +177,46 @@ def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
         built.close()
 
 
+def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
+    """``arborl train`` with the trainer (and the gateway) in a trainer actor (cluster.trainer_restarts=1),
+    SIGKILLed at a random moment after its first checkpoint; the run must finish from that checkpoint."""
+    import io
+    import sqlite3
+    import threading
+
+    from arborl import job
+    from arborl.cluster.supervise import actor_name
+    from arborl.rundir import RunDir
+
+    cfg = _cfg(root, "trainer-fault", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0",
+               "rollout.steps=3", "rollout.checkpoint_every=1")
+    run = RunDir(cfg.run_dir, cfg.datapool)
+    out: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            out["summary"] = job.train(cfg, console=Console(file=io.StringIO()))
+        except Exception as e:  # noqa: BLE001 - reported in the figures
+            out["error"] = repr(e)
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    while not run.has_checkpoint() and t.is_alive():
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 0.5))
+    killed = 0
+    if t.is_alive():
+        import ray
+
+        os.kill(ray.get(ray.get_actor(actor_name(cfg, 0)).pid.remote()), signal.SIGKILL)
+        killed = 1
+    t.join()
+    with sqlite3.connect(run.datapool_file) as db:
+        running = db.execute("select count(*) from episodes where status = 'running'").fetchone()[0]
+    return {"killed": killed, "finished": "summary" in out and out["summary"]["steps"] == 3,
+            "episodes_left_running": running, **({"error": out["error"]} if "error" in out else {})}
+
+
 def _weight_sync(root: Path) -> dict[str, float]:
     cfg = _cfg(root, "ws", "cluster.backend=ray", "model.tiny_hidden=256", "model.tiny_layers=2")
     built, trainer = _build(cfg, root / "ws")
@@ -145,13 +225,13 @@ def _weight_sync(root: Path) -> dict[str, float]:
         state = trainer.engine_state()
         mb = sum(v.numel() * v.element_size() for v in state.values()) / 1e6
         dep = built.cluster
-        for method in ("object_store", "safetensors"):
+        for method in ("object_store", "safetensors", "collective"):
             from arborl.cluster.weights import WEIGHT_SYNC
 
-            dep.publisher.sync = WEIGHT_SYNC.get(method)(root / "ws" / "weights")
+            dep.use_sync(WEIGHT_SYNC.get(method)(root / "ws" / "weights"))
             ms = []
             for rep in range(3):
-                v = {"object_store": 10, "safetensors": 20}[method] + rep
+                v = {"object_store": 10, "safetensors": 20, "collective": 30}[method] + rep
                 s = {k: t.clone() for k, t in state.items()}
                 t0 = time.perf_counter()
                 asyncio.run(built.engines.update_weights(s, v))
@@ -217,17 +297,23 @@ def run(quick: bool, console: Console) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="arborl-cluster-bench-") as tmp:
             root = Path(tmp)
-            steps = _step_times(root, 3 if quick else 6)
+            steps = _step_times(root, 6 if quick else 12)
             faults = _faults(root, 3 if quick else 5, rng)
             faults["cluster_startup_s"] = round(faults["cluster_startup_s"] + init_s, 2)
+            tf = _trainer_fault(root, rng)
+            faults["faults_injected"] += tf["killed"]
+            faults["faults_killed"] += "+trainer" * tf["killed"]
+            faults["episodes_lost"] += tf["episodes_left_running"]
+            faults["trainer_run_finished_after_kill"] = tf["finished"]
             ws = _weight_sync(root)
             pd = _pd(root, 4 if quick else 8)
     finally:
         stop(started)
     result = {
-        "ray_vs_local_step_ratio": round(steps["ray"] / steps["local"], 3),
+        "ray_vs_local_step_ratio": round(steps["ratio"], 3),
         "step_s_local": round(steps["local"], 3),
         "step_s_ray": round(steps["ray"], 3),
+        **{k: round(v, 3) for k, v in steps.items() if k.startswith(("rollout_s_", "train_s_", "publish_s_"))},
         **ws, **faults, **pd,
         "ray_init_s": round(init_s, 2),
         "quick": quick,

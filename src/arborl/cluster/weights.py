@@ -73,6 +73,13 @@ WEIGHT_SYNC.register("object_store")(lambda directory: ObjectStoreSync())
 WEIGHT_SYNC.register("safetensors")(lambda directory: SafetensorsSync(directory))
 
 
+@WEIGHT_SYNC.register("collective")
+def _collective(directory: str | Path) -> Any:
+    from arborl.cluster.collective import CollectiveSync
+
+    return CollectiveSync()
+
+
 def load_payload(payload: Any) -> dict[str, torch.Tensor]:
     """Actor side: a published payload as tensors (what ``LLMEngine.update_weights`` loads)."""
     if isinstance(payload, str):
@@ -111,7 +118,20 @@ class WeightPublisher:
             old_sync.retire(old[0])  # by the method that published it
         return payload
 
+    def for_restart(self) -> tuple[Any, int] | None:
+        """The latest (payload, version) as an actor that was not there when it came out loads it (a
+        broadcast is over by then: the collective method hands a copy through the object store)."""
+        latest = self.latest
+        if latest is None:
+            return None
+        make = getattr(self._sync_of_latest, "for_restart", None)
+        payload = make() if make is not None else None
+        return (payload, payload.version) if payload is not None else latest
+
     def close(self) -> None:
+        close = getattr(self.sync, "close", None)
+        if close is not None:
+            close()
         if self.latest is not None:
             self._sync_of_latest.retire(self.latest[0])
             self.latest = None

@@ -236,6 +236,28 @@ class Dispatcher:
                 self.policy.cancel(live.request.request_id)
                 self._fail(live, err)
 
+    def rejoin(self, i: int) -> None:
+        """Engine ``i`` came back (a restarted Ray actor at the current version): the policy may place
+        pieces there again. Safe from any thread: it runs on the dispatcher's loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                if asyncio.get_running_loop() is loop:
+                    self._rejoin(i)
+                    return
+            except RuntimeError:  # no loop in this thread
+                pass
+            loop.call_soon_threadsafe(self._rejoin, i)
+        else:
+            self._rejoin(i)
+
+    def _rejoin(self, i: int) -> None:
+        if i not in self._down or self.engines[i].closed:
+            return
+        self._down.discard(i)
+        self.policy.restore_instance(i)
+        self._pump()
+
     def _pump(self) -> None:
         if self._paused:
             return

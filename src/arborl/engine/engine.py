@@ -86,7 +86,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.version = version
-        self.runner = ModelRunner(model, slots=config.max_batch_size, max_len=config.max_seq_len)
+        self.runner = ModelRunner(
+            model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights
+        )
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
         self._rng = torch.Generator().manual_seed(seed)
         self._arrivals = 0
@@ -135,7 +137,12 @@ class LLMEngine:
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Load new weights (between steps). Returns the seconds it took, KV recompute included."""
         t0 = time.perf_counter()
+        head = {k: state[k] for k in state if k.startswith("mtp.")}  # the mtp drafter's head, published with the policy
+        if head:
+            state = {k: v for k, v in state.items() if k not in head}
         self.runner.load_weights(state)
+        if head and self.spec is not None:
+            self.spec.update_head(head)
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
         if self.spec is not None:
@@ -308,6 +315,8 @@ class LLMEngine:
         self.stats.batch_size_sum += len(batch)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
         self._sample_into(batch, logits, finished)
+        if self.spec is not None:
+            self.spec.observe(batch, self.runner.last_hidden[:, None])
 
     def _verify(self, batch: list[Sequence], drafts: list[Draft], finished: list[Sequence]) -> None:
         """One forward over each sequence's last token + draft tree; accept, emit, roll back the rest."""
@@ -316,7 +325,7 @@ class LLMEngine:
         logits = self.runner.verify(
             [(s.slot, s.kv_len, [s.tokens[-1]] + d.tokens, [-1] + [p + 1 for p in d.parents]) for s, d in zip(batch, drafts)]
         )
-        results = []
+        results, hidden = [], []
         for r, (seq, d, start) in enumerate(zip(batch, drafts, starts)):
             acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.generator)
             # the accepted path's KV moves to consecutive positions; anything past it is rolled back
@@ -325,6 +334,7 @@ class LLMEngine:
             seq.kv_len = start + 1 + len(acc.nodes)  # before any release moves slots
             self.spec.accepted(d, len(acc.nodes))
             results.append(acc)
+            hidden.append(self.runner.last_hidden[r, [0] + [n + 1 for n in acc.nodes]])
         self.stats.decode_steps += 1
         self.stats.batch_size_sum += len(batch)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
@@ -344,6 +354,7 @@ class LLMEngine:
                 seq.finish_reason = reason
                 self._release(seq)
                 finished.append(seq)
+        self.spec.observe(batch, hidden)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
         out = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborl.engine.kv_cache import SlotKVCache
+from arborl.engine.packed import PackedLinears, packing_available
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
 from arborl.models.quantize import is_low_precision, load_serving_weights
 from arborl.types import ArborlError
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, *, slots: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, *, slots: int, max_len: int, packed: bool = False) -> None:
         shape = DecoderShape.of(model, max_len)
         self.model = model
         self.scaling = shape.scaling
@@ -33,6 +34,9 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.last_hidden: torch.Tensor | None = None  # hidden states (before the final norm) of the last forward
+        # prepacked CPU weights (engine.cpu_packed_weights); None: the model's own Linear modules
+        self.linear = PackedLinears(model) if packed and packing_available(model) else None
 
     @torch.inference_mode()
     def prefill(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -81,8 +85,9 @@ class ModelRunner:
             return attend
 
         last = torch.tensor([off + (end - start) - 1 for _, start, end, off in spans], device=self.device)
-        h = decoder_hidden(self.model, input_ids, position_ids, make_attend)
-        return lm_logits(self.model, h[0, last])
+        h = decoder_hidden(self.model, input_ids, position_ids, make_attend, self.linear)
+        self.last_hidden = h[0, last]  # the rows behind the logits returned (the mtp drafter reads them)
+        return lm_logits(self.model, self.last_hidden, self.linear)
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -107,8 +112,9 @@ class ModelRunner:
 
             return attend
 
-        h = decoder_hidden(self.model, ids, pos.unsqueeze(1), make_attend)
-        return lm_logits(self.model, h[:, -1])
+        h = decoder_hidden(self.model, ids, pos.unsqueeze(1), make_attend, self.linear)
+        self.last_hidden = h[:, -1]
+        return lm_logits(self.model, self.last_hidden, self.linear)
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
@@ -165,8 +171,9 @@ class ModelRunner:
 
             return attend
 
-        h = decoder_hidden(self.model, ids, pos, make_attend)
-        return lm_logits(self.model, h)
+        h = decoder_hidden(self.model, ids, pos, make_attend, self.linear)
+        self.last_hidden = h
+        return lm_logits(self.model, h, self.linear)
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -184,3 +191,5 @@ class ModelRunner:
                 )
         for name, tensor in state.items():
             params[name].copy_(tensor)
+        if self.linear is not None:
+            self.linear.refresh()

@@ -18,6 +18,9 @@ from torch import nn
 from arborl.types import ArborlError
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [b, h, s, d] -> [b, hq, s, d]
+# (Linear module, x) -> the module's output; lets inference run a projection from its own copy of the
+# weights (the engine's prepacked CPU weights). None = call the module, the trainer's path.
+Linear = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 class UnsupportedModelError(ArborlError):
@@ -71,11 +74,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor, linear: Linear | None) -> torch.Tensor:
+    if linear is None or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return mlp(x)
+    # the gated MLP of the Llama family, written out so its projections go through ``linear``
+    return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+
+
 def decoder_hidden(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, make_attend: Callable[[int], Attend]
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    make_attend: Callable[[int], Attend],
+    linear: Linear | None = None,
 ) -> torch.Tensor:
     """Decoder layers over ``input_ids`` [b, s] at ``position_ids`` [b, s]; returns hidden states
     [b, s, hidden] before the final norm."""
+    lin = linear or _call
     decoder = model.model
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
@@ -84,19 +103,19 @@ def decoder_hidden(
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(b, s, -1, attn.head_dim)
-        k = attn.k_proj(x).view(b, s, -1, attn.head_dim)
-        v = attn.v_proj(x).view(b, s, -1, attn.head_dim)
+        q = lin(attn.q_proj, x).view(b, s, -1, attn.head_dim)
+        k = lin(attn.k_proj, x).view(b, s, -1, attn.head_dim)
+        v = lin(attn.v_proj, x).view(b, s, -1, attn.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = _rope(q.transpose(1, 2), cos, sin)
         k = _rope(k.transpose(1, 2), cos, sin)
         out = make_attend(i)(q, k, v.transpose(1, 2))
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + lin(attn.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
     return h
 
 
-def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(model: nn.Module, hidden: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
     """Final norm + LM head."""
-    return model.lm_head(model.model.norm(hidden))
+    return (linear or _call)(model.lm_head, model.model.norm(hidden))

@@ -84,6 +84,9 @@ class _Dispatch(abc.ABC):
     def remove_instance(self, instance: int) -> None:
         """Instance ``instance`` is gone for good (its engine shut down): nothing more goes there."""
 
+    def restore_instance(self, instance: int) -> None:
+        """Instance ``instance`` is back (a restarted engine): it may be assigned work again."""
+
     def request(self, request_id: str) -> _Req:
         return self._reqs[request_id]
 
@@ -254,6 +257,10 @@ class PinnedDispatch(_Dispatch):
             r = self._reqs.get(q.popleft())
             if r is not None and r.state == PENDING:
                 self._queues[self._pin[r.group_id]].append(r.request_id)
+
+    def restore_instance(self, instance: int) -> None:
+        """New groups may be pinned there again (groups re-pinned elsewhere stay where they are)."""
+        self._removed.discard(instance)
 
     def _on_group_dropped(self, group_id: str) -> None:
         self._pin.pop(group_id, None)

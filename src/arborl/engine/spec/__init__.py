@@ -2,6 +2,7 @@
 length and metrics. Importing the package registers the built-in drafters."""
 
 from arborl.engine.spec import draft_model as _draft_model  # noqa: F401  (registers "draft_model")
+from arborl.engine.spec import mtp as _mtp  # noqa: F401  (registers "mtp")
 from arborl.engine.spec import suffix as _suffix  # noqa: F401  (registers "suffix")
 from arborl.engine.spec.decoder import SpecDecoder
 from arborl.engine.spec.draft import Draft

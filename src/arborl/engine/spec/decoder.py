@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+
+import torch
+
 from arborl.engine.sequence import Sequence
 from arborl.engine.spec.adaptive import AdaptiveLength, VerifyProfile
 from arborl.engine.spec.draft import Draft
@@ -89,6 +92,20 @@ class SpecDecoder:
         self.metrics.plain_steps += 1
         self.length.relax()
         return None
+
+    def observe(self, seqs: list[Sequence], rows: list[torch.Tensor] | torch.Tensor) -> None:
+        """After a decode or verify step: ``rows[i]`` [m, hidden] are the policy's hidden rows that produced
+        the last m tokens of ``seqs[i]`` (drafters that read hidden states, e.g. ``mtp``, take them)."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            for seq, r in zip(seqs, rows):
+                observe(seq, r)
+
+    def update_head(self, state: dict[str, torch.Tensor]) -> None:
+        """Published ``mtp.*`` tensors: to a drafter that has a head; others ignore them."""
+        load = getattr(self.drafter, "load_head", None)
+        if load is not None and state:
+            load(state)
 
     def accepted(self, draft: Draft, n: int) -> None:
         if len(draft):  # acceptance per draft: sequences without one are accounted for by their share

@@ -39,6 +39,9 @@ class Drafter(Protocol):
     def weights_updated(self) -> None:
         """The policy changed (drafters derived from it refresh)."""
 
+    # optional: ``observe(seq, rows)`` takes the policy's hidden rows [m, hidden] that produced the last
+    # m tokens of ``seq`` after each step; ``load_head(state)`` takes published ``mtp.*`` tensors
+
 
 # an entry: f(engine) -> Drafter; the engine gives the config (engine.config.spec), runner and model
 DRAFTERS: Registry[Callable[[EngineView], Drafter]] = Registry("drafter")

@@ -1,0 +1,76 @@
+"""cluster.trainer_restarts: `arborl train`'s trainer (with the controller, the gateway and the data pool
+it owns) runs as a Ray actor; SIGKILLed after a checkpoint, the run goes on in a new actor from that
+checkpoint and finishes with every step logged once; nothing the dead actor's gateway recorded is
+lost (SQLite WAL) and no episode is left running. One local Ray session (ray.init(num_cpus=2)); no
+Ray process is left."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a Ray session, a trainer actor and its engine actor, started twice
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers.tiny_run import tiny_cfg  # noqa: E402
+
+from arborl import job  # noqa: E402
+from arborl.cluster.session import leftover_processes  # noqa: E402
+from arborl.cluster.supervise import actor_name  # noqa: E402
+from arborl.rundir import RunDir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        deadline = time.monotonic() + 20
+        while leftover_processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert leftover_processes() == []
+
+
+def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_path, caplog):
+    cfg = tiny_cfg(tmp_path, "sup", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0.5",
+                   "gateway.num_engines=1", "cluster.engine_cpus=1", "rollout.steps=4", "rollout.checkpoint_every=1")
+    run = RunDir(cfg.run_dir, cfg.datapool)
+    out: dict = {}
+
+    def train() -> None:
+        try:
+            out["summary"] = job.train(cfg, console=Console(file=io.StringIO()))
+        except BaseException as e:  # noqa: BLE001 - reported by the assertions below
+            out["error"] = e
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 240
+    while not run.has_checkpoint() and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert t.is_alive(), out  # killed mid-run, not after it
+    first = ray.get(ray.get_actor(actor_name(cfg, 0)).pid.remote())
+    assert first != os.getpid()  # the trainer is not in this process
+    os.kill(first, signal.SIGKILL)
+    t.join(timeout=300)
+    assert not t.is_alive() and "error" not in out, out
+    assert out["summary"]["steps"] == 4
+    assert "the trainer actor died" in caplog.text and "resuming from the last checkpoint (restart 1 of 1)" in caplog.text
+    steps = [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert steps in (list(range(1, 5)), list(range(4))), steps  # each once: the resumed run truncated after its checkpoint
+    with sqlite3.connect(run.datapool_file) as db:  # the first actor's records are still there
+        statuses = dict(db.execute("select status, count(*) from episodes group by status").fetchall())
+    assert statuses.get("running", 0) == 0 and statuses.get("finished", 0) >= 4 * 16
