@@ -59,9 +59,9 @@ RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
 	$(VENV)/bin/arborl train --set name=$(RUN)
 
-# two pytest workers; each test file runs whole on one of them (tests/conftest.py)
+# two pytest workers; each test file runs whole on one of them, Ray files one at a time (tests/conftest.py)
 test: test-deps vllm
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench-engine: venv
 	$(VENV)/bin/arborl bench engine --quick

@@ -1,19 +1,30 @@
-"""Parallel runs (`pytest -n 2 --dist loadgroup`, what `make test` does): each test file runs whole on
-one worker, so its module fixtures (a vLLM server, a Ray session) start once; every file that starts
-Ray shares one group, so one worker runs them in turn and the "no Ray process left" checks see only
-their own cluster."""
+"""Parallel runs (`pytest -n 2 --dist loadfile`, what `make test` does): each test file runs whole on
+one worker, so its module fixtures (a vLLM server, a Ray session) start once. The files that start a
+local Ray cluster take a machine-wide lock for their whole module, so two never overlap and each "no
+Ray process left" check sees only its own cluster."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-SERIAL_GROUPS = {"test_cluster_": "ray"}
+RAY_MODULE_PREFIX = "test_cluster_"
+RAY_LOCK = Path(tempfile.gettempdir()) / "arborl-tests-ray.lock"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        stem = Path(str(item.fspath)).stem
-        group = next((g for prefix, g in SERIAL_GROUPS.items() if stem.startswith(prefix)), stem)
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not Path(str(request.fspath)).stem.startswith(RAY_MODULE_PREFIX):
+        yield
+        return
+    fd = os.open(RAY_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the module's Ray session has shut down
+        yield
+    finally:
+        os.close(fd)

@@ -45,7 +45,7 @@ def _reference(model, prompt: list[int], out: list[int]) -> torch.Tensor:
 def test_packed_weights_match_a_transformers_forward_and_are_what_is_served():
     model = _model()
     eng = _engine(model, packed=True)
-    assert eng.runner.linear is not None and len(eng.runner.linear) == 2 * 7 + 1  # q k v o gate up down, lm_head
+    assert eng.runner.linear is not None and len(eng.runner.linear) == 2 * 4 + 1  # per layer: q|k|v fused, o, gate|up fused, down; lm_head
     for r in _run(eng):
         assert torch.allclose(torch.tensor(r.logprobs), _reference(model, r.prompt_token_ids, r.token_ids), atol=1e-4)
     # served from the packed copy: changing the module's weight behind the engine's back changes nothing ...

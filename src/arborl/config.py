@@ -1006,7 +1006,10 @@ def known_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
 def _did_you_mean(path: str) -> str:
     keys = known_keys()
     leaf = path.rsplit(".", 1)[-1]
-    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # the knob exists, in another section
+    # of several (train.lr, train.mtp.lr), the one whose whole path is closest
+    close = (difflib.get_close_matches(path, same_leaf, n=1, cutoff=0) if same_leaf
+             else difflib.get_close_matches(path, keys, n=1, cutoff=0.6))
     return f"did you mean {close[0]}? " if close else ""
 
 

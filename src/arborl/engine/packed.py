@@ -23,13 +23,22 @@ def packing_available(model: nn.Module) -> bool:
     return param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def _plain(m: nn.Module) -> bool:
+    return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
+# projections that read the same input, fused into one GEMM (fewer, larger GEMMs pay at decode row counts)
+_FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
 class PackedLinears:
-    """``(module, x) -> module(x)`` from oneDNN-reordered copies of every plain float32 ``nn.Linear``
-    of ``model`` (quantised or other layers run as they are)."""
+    """``(modules, x) -> each module(x)`` from oneDNN-reordered copies of the plain float32 ``nn.Linear``
+    weights of ``model``; a decoder layer's q/k/v and gate/up are packed side by side and run as one
+    GEMM each. Other modules (quantised, adapters) run as they are."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._packed: dict[nn.Module, torch.Tensor] = {}
+        self._packed: dict[tuple[nn.Module, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
         self.refresh()
 
     def __len__(self) -> int:
@@ -37,17 +46,36 @@ class PackedLinears:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Reorder the current weights (after a weight update)."""
-        self._packed = {
-            m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), _BATCH_HINT)
-            for m in self.model.modules()
-            if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-        }
+        """Reorder the current weights (at start and after a weight update: never read in place later)."""
+        groups: list[tuple[nn.Module, ...]] = []
+        fused: set[nn.Module] = set()
+        for layer in getattr(getattr(self.model, "model", None), "layers", []):
+            for parent, names in _FUSED:
+                owner = getattr(layer, parent, None)
+                mods = tuple(getattr(owner, n, None) for n in names)
+                if all(m is not None and _plain(m) for m in mods):
+                    groups.append(mods)
+                    fused.update(mods)
+        groups += [(m,) for m in self.model.modules() if _plain(m) and m not in fused]
+        self._packed = {mods: self._pack(mods) for mods in groups}
 
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        w = self._packed.get(module)
-        if w is None:
-            return module(x)
+    @staticmethod
+    def _pack(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+        bias = None
+        if any(m.bias is not None for m in mods):
+            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in mods])
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT), bias, [m.out_features for m in mods]
+
+    def __call__(self, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed = self._packed.get(mods)
+        if packed is None:
+            if len(mods) > 1:  # not packed together: each on its own
+                return tuple(self((m,), x)[0] for m in mods)
+            return (mods[0](x),)
+        w, bias, sizes = packed
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, w, module.bias, "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, w, bias, "none", [], "")
+        outs = out.split(sizes, dim=-1) if len(sizes) > 1 else (out,)
+        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)

@@ -18,9 +18,10 @@ from torch import nn
 from arborl.types import ArborlError
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [b, h, s, d] -> [b, hq, s, d]
-# (Linear module, x) -> the module's output; lets inference run a projection from its own copy of the
-# weights (the engine's prepacked CPU weights). None = call the module, the trainer's path.
-Linear = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+# (Linear modules that read the same x, x) -> each module's output; lets inference run projections from
+# its own copy of the weights (the engine's prepacked CPU weights, q/k/v and gate/up fused into one GEMM
+# each). None = call the modules, the trainer's path.
+Linear = Callable[[tuple[nn.Module, ...], torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class UnsupportedModelError(ArborlError):
@@ -74,15 +75,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)
+def _call(modules: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(m(x) for m in modules)
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, linear: Linear | None) -> torch.Tensor:
     if linear is None or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
     # the gated MLP of the Llama family, written out so its projections go through ``linear``
-    return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+    gate, up = linear((mlp.gate_proj, mlp.up_proj), x)
+    return linear((mlp.down_proj,), mlp.act_fn(gate) * up)[0]
 
 
 def decoder_hidden(
@@ -103,19 +105,17 @@ def decoder_hidden(
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = lin(attn.q_proj, x).view(b, s, -1, attn.head_dim)
-        k = lin(attn.k_proj, x).view(b, s, -1, attn.head_dim)
-        v = lin(attn.v_proj, x).view(b, s, -1, attn.head_dim)
+        q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = _rope(q.transpose(1, 2), cos, sin)
         k = _rope(k.transpose(1, 2), cos, sin)
         out = make_attend(i)(q, k, v.transpose(1, 2))
-        h = h + lin(attn.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+        h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
         h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
     return h
 
 
 def lm_logits(model: nn.Module, hidden: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
     """Final norm + LM head."""
-    return (linear or _call)(model.lm_head, model.model.norm(hidden))
+    return (linear or _call)((model.lm_head,), model.model.norm(hidden))[0]
