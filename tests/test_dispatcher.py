@@ -391,6 +391,11 @@ def test_a_request_lost_with_its_engine_after_its_first_piece_continues_elsewher
         finally:
             _close(engines)
 
-    results, d = asyncio.run(run())
-    assert all(not isinstance(r, BaseException) and len(r.token_ids) == 40 for r in results), results
+    # the shutdown must catch a piece in flight on engine 1; on a loaded machine it may fall between
+    # two pieces, so the scenario runs again (every run must complete every request)
+    for _ in range(5):
+        results, d = asyncio.run(run())
+        assert all(not isinstance(r, BaseException) and len(r.token_ids) == 40 for r in results), results
+        if d.stats()["rescued"] >= 1:
+            break
     assert d.stats()["rescued"] >= 1
