@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
 from arborl import job  # noqa: E402
-from arborl.cluster.session import leftover_processes  # noqa: E402
+from arborl.cluster.session import ClusterError, leftover_processes  # noqa: E402
 from arborl.cluster.supervise import actor_name  # noqa: E402
 from arborl.rundir import RunDir  # noqa: E402
 
@@ -74,3 +74,15 @@ def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_
     with sqlite3.connect(run.datapool_file) as db:  # the first actor's records are still there
         statuses = dict(db.execute("select status, count(*) from episodes group by status").fetchall())
     assert statuses.get("running", 0) == 0 and statuses.get("finished", 0) >= 4 * 16
+
+
+@pytest.mark.parametrize("knob", ["cluster.trainer_cpus=4", "cluster.trainer_gpus=1"])
+def test_the_trainer_actor_reserves_its_knobs_resources_and_fails_fast_when_they_do_not_fit(ray_session, tmp_path,
+                                                                                                 knob):
+    """trainer_cpus / trainer_gpus are what the actor asks Ray for: more than the 2-CPU, GPU-less session
+    holds is a ClusterError naming the knob, before any training starts."""
+    cfg = tiny_cfg(tmp_path, "fit", "cluster.backend=ray", "cluster.trainer_restarts=1", knob,
+                   "cluster.placement_timeout_s=3", "gateway.num_engines=1", "cluster.engine_cpus=1")
+    with pytest.raises(ClusterError, match=knob.split(".", 1)[1]):  # e.g. "trainer_cpus=4"
+        job.train(cfg, console=Console(file=io.StringIO()))
+    assert not RunDir(cfg.run_dir, cfg.datapool).has_checkpoint()
