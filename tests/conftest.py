@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,3 +29,20 @@ def _one_ray_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """A local Ray cluster (2 CPUs) for one test module; afterwards no raylet / gcs_server is left."""
+    ray = pytest.importorskip("ray")
+    from arborl.cluster.session import leftover_processes
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        deadline = time.monotonic() + 20
+        while leftover_processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert leftover_processes() == []

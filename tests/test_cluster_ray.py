@@ -26,7 +26,6 @@ from helpers.tiny_run import tiny_cfg  # noqa: E402
 from arborl.assemble import build_gateway  # noqa: E402
 from arborl.cluster import ClusterError, disaggregate  # noqa: E402
 from arborl.cluster.remote import RemoteEngine  # noqa: E402
-from arborl.cluster.session import leftover_processes  # noqa: E402
 from arborl.config import SchedulingConfig  # noqa: E402
 from arborl.controller import Controller  # noqa: E402
 from arborl.engine.pool import EnginePool  # noqa: E402
@@ -35,18 +34,6 @@ from arborl.tasks import make_suite  # noqa: E402
 from arborl.train.trainer import Trainer  # noqa: E402
 from arborl.types import GenerateRequest, SamplingParams  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        deadline = time.monotonic() + 20
-        while leftover_processes() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert leftover_processes() == []  # the module leaves no raylet / gcs_server behind
 
 
 @pytest.fixture(scope="module")

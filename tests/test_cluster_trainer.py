@@ -26,22 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
 from arborl import job  # noqa: E402
-from arborl.cluster.session import ClusterError, leftover_processes  # noqa: E402
+from arborl.cluster.session import ClusterError  # noqa: E402
 from arborl.cluster.supervise import actor_name  # noqa: E402
 from arborl.rundir import RunDir  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        deadline = time.monotonic() + 20
-        while leftover_processes() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert leftover_processes() == []
 
 
 def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_path, caplog):
