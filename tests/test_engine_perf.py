@@ -88,3 +88,54 @@ def test_engine_worker_protocol_round_trips_on_a_tiny_model(tmp_path):
     finally:
         worker.close()
     assert worker.proc.poll() is not None
+
+
+def _qwen(arch: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        model = model_cls(cfg).eval()
+    if arch == "qwen2":  # q/k/v carry biases: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_packed_forward_computes_what_the_shared_forward_computes(arch):
+    """The lean forward over packed weights (prefill, decode, verify) gives the logits of
+    ``decoder_hidden`` over the same packed weights, and is what a packed engine runs."""
+    model = _model() if arch == "llama" else _qwen(arch)
+    eng = _engine(model, packed=True)
+    runner = eng.runner
+    assert runner.packed_forward is not None
+    lean = runner.packed_forward
+    prompts = _prompts()
+
+    def forwards(use_lean: bool) -> list[torch.Tensor]:
+        runner.packed_forward = lean if use_lean else None
+        out = [runner.prefill([(i, p, 0) for i, p in enumerate(prompts)])]
+        out.append(runner.decode([3, 4, 5], [len(p) for p in prompts]))
+        out.append(runner.verify([(i, len(p) + 1, [7, 8, 9], [-1, 0, 0]) for i, p in enumerate(prompts)])[:, :3])
+        return out
+
+    for a, b in zip(forwards(False), forwards(True)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5)
+    runner.packed_forward = lean
+    for r in _run(eng):  # and the engine on it still serves the model's own log-probs
+        assert torch.allclose(torch.tensor(r.logprobs), _reference(model, r.prompt_token_ids, r.token_ids), atol=1e-4)
+
+
+def test_packed_forward_leaves_models_it_does_not_cover_to_the_shared_forward():
+    model = _qwen("qwen3")  # per-head q/k norms
+    eng = _engine(model, packed=True)
+    assert eng.runner.linear is not None and eng.runner.packed_forward is None
+    for r in _run(eng):
+        assert torch.allclose(torch.tensor(r.logprobs), _reference(model, r.prompt_token_ids, r.token_ids), atol=1e-4)

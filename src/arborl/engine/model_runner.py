@@ -10,6 +10,7 @@ from torch import nn
 
 from arborl.engine.kv_cache import SlotKVCache
 from arborl.engine.packed import PackedLinears, packing_available
+from arborl.engine.packed_forward import PackedForward
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
 from arborl.models.quantize import is_low_precision, load_serving_weights
 from arborl.types import ArborlError
@@ -37,6 +38,14 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # hidden states (before the final norm) of the last forward
         # prepacked CPU weights (engine.cpu_packed_weights); None: the model's own Linear modules
         self.linear = PackedLinears(model) if packed and packing_available(model) else None
+        # the lean forward over those packed weights where the model is a plain Llama-layout decoder
+        self.packed_forward = (PackedForward(model, self.linear)
+                               if self.linear is not None and PackedForward.supports(model, self.linear) else None)
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, make_attend) -> torch.Tensor:
+        if self.packed_forward is not None:
+            return self.packed_forward.hidden(input_ids, position_ids, make_attend)
+        return decoder_hidden(self.model, input_ids, position_ids, make_attend, self.linear)
 
     @torch.inference_mode()
     def prefill(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -85,7 +94,7 @@ class ModelRunner:
             return attend
 
         last = torch.tensor([off + (end - start) - 1 for _, start, end, off in spans], device=self.device)
-        h = decoder_hidden(self.model, input_ids, position_ids, make_attend, self.linear)
+        h = self._hidden(input_ids, position_ids, make_attend)
         self.last_hidden = h[0, last]  # the rows behind the logits returned (the mtp drafter reads them)
         return lm_logits(self.model, self.last_hidden, self.linear)
 
@@ -112,7 +121,7 @@ class ModelRunner:
 
             return attend
 
-        h = decoder_hidden(self.model, ids, pos.unsqueeze(1), make_attend, self.linear)
+        h = self._hidden(ids, pos.unsqueeze(1), make_attend)
         self.last_hidden = h[:, -1]
         return lm_logits(self.model, self.last_hidden, self.linear)
 
@@ -171,7 +180,7 @@ class ModelRunner:
 
             return attend
 
-        h = decoder_hidden(self.model, ids, pos, make_attend, self.linear)
+        h = self._hidden(ids, pos, make_attend)
         self.last_hidden = h
         return lm_logits(self.model, h, self.linear)
 

@@ -44,6 +44,10 @@ class PackedLinears:
     def __len__(self) -> int:
         return len(self._packed)
 
+    def packed_groups(self) -> dict[tuple[nn.Module, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
+        """modules packed together -> (reordered weight, bias, each module's out_features); current weights."""
+        return self._packed
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Reorder the current weights (at start and after a weight update: never read in place later)."""
