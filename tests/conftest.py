@@ -37,7 +37,9 @@ def ray_session() -> Iterator[None]:
     ray = pytest.importorskip("ray")
     from arborl.cluster.session import leftover_processes
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    # workers at the driver's priority, as `cluster.backend=ray` starts them (Ray's default nice 15 starves
+    # the actors behind the other pytest worker)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config={"worker_niceness": 0})
     try:
         yield
     finally:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arborl.cluster import deploy, disaggregate
+from arborl.cluster import disaggregate
+from arborl.cluster.deploy import RayDeployment
 from arborl.config import Config
 from arborl.datapool import DataPool
 from arborl.engine.backends import build_engines
@@ -41,7 +42,7 @@ def build_gateway(
     each with its own copy of the weights) in a pool placed by the scheduling knobs, open the run's
     data pool, and wire the gateway."""
     loaded = loaded or load_model(cfg.model)
-    cluster = deploy(cfg, loaded, version=version, run_dir=run_dir) if cfg.cluster.backend == "ray" else None
+    cluster = RayDeployment(cfg, loaded, version=version, run_dir=run_dir) if cfg.cluster.backend == "ray" else None
     engines = cluster.engines if cluster else build_engines(cfg, loaded, version=version)  # engine.backend: builtin, vllm, ...
     try:
         engines = disaggregate(engines, cfg.cluster.pd_prefill_engines)  # prefill/decode instances (cluster.pd_prefill_engines)

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from arborl.assemble import build_gateway
-from arborl.cluster.supervise import Supervisor, supervised
+from arborl.cluster.supervise import Supervisor, serve_stop, supervised
 from arborl.config import Config, ConfigError, dump_config
 from arborl.controller import Controller
 from arborl.extensions import check_extensions
@@ -84,7 +84,12 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     if cfg.cluster.backend == "ray" and cfg.cluster.trainer_restarts > 0 and not supervised():
         # the trainer as a Ray actor, started again from its last checkpoint when it dies (cluster/supervise.py)
         run = RunDir(cfg.run_dir, cfg.datapool)
-        return Supervisor(cfg, train, run.has_checkpoint).run(resume=resume, overwrite=overwrite)
+        out = Supervisor(cfg, _train_in_actor, run.has_checkpoint).run(resume=resume, overwrite=overwrite)
+        if STOPPED_KEY in out:  # the actor stopped on our signal: say so here (its own output is Ray's to forward)
+            msg, signum = out[STOPPED_KEY]
+            _say(console, msg, style="yellow")
+            raise RunStopped(msg, signum)
+        return out
     check_extensions(cfg)
     check_loggers(cfg.report.loggers)
     run = RunDir(cfg.run_dir, cfg.datapool)
@@ -135,6 +140,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
 
     launched, ctl = _controller(cfg, trainer, serving, loaded, run.path, version, start_step)
     stop = StopRequest()
+    if supervised():
+        serve_stop(stop)  # in the trainer actor: the driver passes its Ctrl-C on (cluster/supervise.py)
 
     async def save(done: int, summary: dict[str, Any]) -> None:
         extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
@@ -159,7 +166,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         msg = (f"stopped by {stop.name} after step {done} of {r.steps}: the checkpoint (step {done}), summary.json "
                f"and curves.png are in {run.path}/. Resume with: {resume_command(run.path)}  "
                f"(exit status {code} = 128 + {stop.name})")
-        _say(console, msg, style="yellow")
+        if not supervised():  # in the trainer actor the driver says it
+            _say(console, msg, style="yellow")
         raise RunStopped(msg, stop.signum or 0)
     if stopped == "idle":
         first = done - r.max_idle_steps + 1
@@ -169,6 +177,18 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
             f"changed settings, e.g. `{resume_command(run.path)} --set rollout.temperature=1.0`; "
             "rollout.max_idle_steps=0 never stops")
     return summary
+
+
+STOPPED_KEY = "_stopped_by_signal"
+
+
+def _train_in_actor(cfg: Config, *, resume: bool, overwrite: bool) -> dict[str, Any]:
+    """``train`` in the trainer actor; a stop on the driver's signal comes back as {STOPPED_KEY: (message,
+    signum)} (RunStopped does not survive pickling)."""
+    try:
+        return train(cfg, resume=resume, overwrite=overwrite)
+    except RunStopped as e:
+        return {STOPPED_KEY: (str(e), e.signum)}
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@
 2. faults: the same job on Ray, its episodes in a rollout-worker actor, while an engine actor (step
    1) and the worker actor (step 2) are killed (SIGKILL) at a random moment of a step; the run must
    finish; then ``arborl train`` with the trainer and the gateway in a trainer actor
-   (cluster.trainer_restarts=1), killed at a random moment after its first checkpoint, must finish
+   (cluster.trainer_restarts=1), killed at a random moment after its first checkpoint (the gateway
+   fault: it cannot die alone, see docs/cluster.md), must finish
    from it (``trainer_run_finished_after_kill``); ``episodes_lost`` = episodes left unfinished in the
    data pools, ``calls_lost`` = calls the gateway answered but the data pool lacks (first run); the
    killed engine actor must come back at the current version. ``cluster_startup_s`` = ray.init + placement group + actors ready.
@@ -302,7 +303,7 @@ def run(quick: bool, console: Console) -> dict[str, Any]:
             faults["cluster_startup_s"] = round(faults["cluster_startup_s"] + init_s, 2)
             tf = _trainer_fault(root, rng)
             faults["faults_injected"] += tf["killed"]
-            faults["faults_killed"] += "+trainer" * tf["killed"]
+            faults["faults_killed"] += "+trainer+gateway" * tf["killed"]  # the gateway is an object of the trainer's process
             faults["episodes_lost"] += tf["episodes_left_running"]
             faults["trainer_run_finished_after_kill"] = tf["finished"]
             ws = _weight_sync(root)

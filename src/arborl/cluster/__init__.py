@@ -7,11 +7,6 @@ prefill/decode disaggregation (``pd.py``, also in-process). See docs/cluster.md.
 from arborl.cluster.pd import PDEngine, disaggregate
 from arborl.cluster.session import ClusterError
 
-__all__ = ["ClusterError", "PDEngine", "disaggregate", "deploy"]
-
-
-def deploy(cfg, loaded, *, version: int = 0, run_dir=None):
-    """The engines of ``cfg`` as Ray actors (``cluster.backend=ray``): a ``RayDeployment``."""
-    from arborl.cluster.deploy import RayDeployment
-
-    return RayDeployment(cfg, loaded, version=version, run_dir=run_dir)
+# The engines as Ray actors: ``arborl.cluster.deploy.RayDeployment`` (no function of that module's name
+# here: importing the submodule would replace it on the package).
+__all__ = ["ClusterError", "PDEngine", "disaggregate"]

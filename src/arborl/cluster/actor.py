@@ -92,7 +92,9 @@ class EngineActor:
             held = self.collective.holds(payload.version) or payload.ref is None
             fetched = None if held else load_payload(await payload.ref)  # not in the broadcast: the object-store copy
             state = await asyncio.to_thread(self.collective.take, payload, fetched)
-        else:
+        elif isinstance(payload, dict):  # object-store arrays: zero-copy views, not worth a thread hop
+            state = load_payload(payload)
+        else:  # a safetensors file: disk reads off the event loop
             state = await asyncio.to_thread(load_payload, payload)
         secs = await self.engine.update_weights(state, version)
         return secs, self.engine.engine.spec_stats()
