@@ -32,6 +32,17 @@ def _one_ray_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny-model tests (faster than two on a shared machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
     """A local Ray cluster (2 CPUs) for one test module; afterwards no raylet / gcs_server is left."""
     ray = pytest.importorskip("ray")

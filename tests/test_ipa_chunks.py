@@ -86,12 +86,7 @@ def test_build_samples_places_each_chunk_return_on_its_chunk():
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster, and the machine is shared
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
 
 
 def two_chunk_samples(seed: int) -> list[Sample]:

@@ -30,12 +30,7 @@ VOCAB = 128
 EOS = VOCAB - 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
 
 
 def model(seed: int = 0):

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import AsyncEngine, LLMEngine
@@ -20,12 +19,7 @@ from arborl.types import GenerateRequest, SamplingParams
 VOCAB = 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
 
 
 def profile(fn, batches=(1, 2, 4, 8, 16, 32), positions=(0, 1, 2, 4)) -> VerifyProfile:

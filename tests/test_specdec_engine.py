@@ -18,13 +18,7 @@ VOCAB = 512
 EOS = VOCAB - 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
 
 
 def make_model(seed: int = 0, vocab: int = VOCAB, **kw):

@@ -21,12 +21,7 @@ PROMPT = [3, 1, 4, 1, 5, 9]
 N = 3000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
 
 
 def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:

@@ -7,8 +7,11 @@
    mean acceptance length, 1 + accepted / drafts. The reported figures are paired (``paired_tau``: the
    variants draft on the same sampled streams, expected acceptance from the policy's probabilities);
    live decoding samples a different text per variant, so its taus (``tau_live``) mix drafter and text.
-2. tail decode: tokens/s of 1-4 such members (the long tail of a rollout) with the group suffix
-   drafter, adaptive length, drafting time included, vs plain decoding, alternating A B A B.
+2. tail decode: tokens/s of 1-4 such members at a time (the long tail of a rollout) with the group
+   suffix drafter, adaptive length, drafting time included, vs plain decoding, alternating A B A B.
+   Every row decodes the same ``TAIL_MEMBERS`` members (batch 1: one after another) on a fresh copy of
+   the references, so rows differ only in batch size, not in which sampled texts they meet.
+   (``tau_group_gain_multipath``: group vs self, both top-4 multi-path.)
 3. batch 32: a whole step's worth of fresh groups (4 x 8), adaptive, vs plain.
 4. exactness: greedy tokens identical and max |log-prob difference| (SmolLM2, greedy and sampled drafts);
    a chi-square test of sampled tokens with vs without speculation on a tiny model (vocab 16).
@@ -49,6 +52,7 @@ G = 8
 MAX_TOKENS = 96
 OUT_DIR = Path("runs") / "bench-specdec"
 MTP_STEPS = 10  # RL steps of the online / frozen MTP runs
+TAIL_MEMBERS = 4  # members decoded per tail row (batch 1, 2, 4: the same members, 4, 2 and 1 waves)
 PROFILE = OUT_DIR / "verify_profile.json"  # measured once per run (first adaptive engine), then read
 
 
@@ -113,7 +117,7 @@ def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingPara
     path, so tau = 1 + E[accepted] = 1 + sum over nodes of that product, averaged over positions.
     Paired: the variants differ only in what they draft, not in which text they meet."""
     cfg = SpecConfig()
-    variants = {"self": 1, "group": 1, "group_multipath": 4}  # name -> paths
+    variants = {"self": 1, "group": 1, "self_multipath": 4, "group_multipath": 4}  # name -> paths
     plain = engine(loaded, spec=False)
     res = plain.generate([member(pr, p, G - 1 + j, f"{tag}{p}", params) for p, pr in enumerate(prompts) for j in range(measured)])
     runner = ModelRunner(loaded.model, slots=1, max_len=8192)
@@ -133,7 +137,7 @@ def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingPara
             if (n - start) % stride == 0:
                 positions += 1
                 for v, paths in variants.items():
-                    conts = (own if v == "self" else grp).continuations(stream[:n], k, cfg.max_match)
+                    conts = (own if v.startswith("self") else grp).continuations(stream[:n], k, cfg.max_match)
                     d = Draft.from_paths(draft_paths(conts, k, paths, cfg.min_prob))
                     drafts.append((v, len(tokens), d))
                     tokens += d.tokens
@@ -158,29 +162,49 @@ def tokens_per_s(eng: LLMEngine, reqs: list[GenerateRequest]) -> tuple[float, in
     return (eng.stats.generated_tokens - tok0) / (eng.stats.busy_s - busy0), eng.stats.generated_tokens - tok0
 
 
-def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, fresh_groups: bool) -> dict:
-    """tokens/s of ``batch`` members with the adaptive group suffix drafter vs plain, A B A B."""
-    spec = engine(loaded, spec=True, stores=stores, num_tokens=6)
-    plain = engine(loaded, spec=False)
+def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, fresh_groups: bool,
+          members: int = 0) -> dict:
+    """tokens/s with the adaptive group suffix drafter vs plain (one engine, speculation on / off), A B B A.
+    ``fresh_groups``: ``batch`` members of new groups at once. Otherwise the tail: ``members`` (>= batch) later members of the reference
+    groups, the same ones whatever ``batch``, decoded ``batch`` at a time, each round on a fresh copy of
+    the reference stores (so a row neither sees the members an earlier row decoded nor depends on one
+    sampled text: at temperature 1 a single member may ramble where no sibling has a match)."""
+    # one engine, speculation switched on and off between runs: two engine instances (each with its own
+    # prepacked weights and KV cache) decoded up to ~15% apart on this machine with no speculation at all
+    eng = engine(loaded, spec=True, stores=snapshot(stores), num_tokens=6)
+    decoder = eng.spec
     # warm-up at this batch size first: the first forwards of a new shape pay one-time kernel set-up,
-    # which would otherwise land on whichever engine is timed first
+    # which would otherwise land on whichever mode is timed first
     warm = replace(params, max_tokens=4)
-    for eng in (spec, plain):
-        eng.generate([member(prompts[i % len(prompts)], i, i, f"warm-{tag}{batch}-{i}", warm) for i in range(batch)])
+    for on in (True, False):
+        eng.spec = decoder if on else None
+        eng.generate([member(prompts[i % len(prompts)], i, i, f"warm-{tag}{batch}-{i}-{on}", warm) for i in range(batch)])
     a, b, rounds = [], [], []
     for rep in range(reps):
         if fresh_groups:
-            reqs = lambda: [member(pr, p, m, f"{tag}{rep}-{p}", params) for p, pr in enumerate(prompts) for m in range(G)][:batch]
+            waves = [[member(pr, p, m, f"{tag}{rep}-{p}", params) for p, pr in enumerate(prompts) for m in range(G)][:batch]]
         else:
-            # later members of the reference groups (their G - 1 siblings are in the stores), distinct ids
-            reqs = lambda: [member(prompts[i % len(prompts)], i % len(prompts), G + 100 * batch + rep * batch + i,
-                                   f"{tag}{i % len(prompts)}", params) for i in range(batch)]
-        x, _ = tokens_per_s(spec, reqs())
-        y, _ = tokens_per_s(plain, reqs())
+            decoder.drafter.groups = snapshot(stores)
+            # member i: prompt i mod P, seed by (rep, i) only, distinct from the references' (m < G)
+            reqs = [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
+                    for i in range(max(members, batch))]
+            waves = [reqs[j : j + batch] for j in range(0, len(reqs), batch)]
+        tok_a = tok_b = s_a = s_b = 0.0
+        for w, wave in enumerate(waves):  # A B, B A, ...: slow drift of the machine hits both alike
+            for is_spec in (True, False)[:: 1 if (rep + w) % 2 == 0 else -1]:
+                eng.spec = decoder if is_spec else None
+                busy0, tok0 = eng.stats.busy_s, eng.stats.generated_tokens
+                eng.generate([replace(r, prompt_token_ids=list(r.prompt_token_ids)) for r in wave])  # a copy per run
+                if is_spec:
+                    tok_a, s_a = tok_a + eng.stats.generated_tokens - tok0, s_a + eng.stats.busy_s - busy0
+                else:
+                    tok_b, s_b = tok_b + eng.stats.generated_tokens - tok0, s_b + eng.stats.busy_s - busy0
+        x, y = tok_a / s_a, tok_b / s_b
         a.append(x)
         b.append(y)
         rounds.append(round(x / y, 3))
-    st = spec.stats_dict()
+    eng.spec = decoder
+    st = decoder.stats()
     return {"spec_tps": sum(a) / reps, "plain_tps": sum(b) / reps, "ratio": sum(a) / sum(b), "rounds": rounds,
             "tau": st["spec_mean_acceptance_length"], "verify_steps": st["spec_verify_steps"],
             "plain_steps": st["spec_plain_steps"]}
@@ -200,7 +224,10 @@ def exactness(loaded, prompts, stores) -> dict:
     sampled = SamplingParams(temperature=1.0, max_tokens=48)
     res = spec_eng.generate([member(pr, p, 2, f"x{p}", sampled) for p, pr in enumerate(prompts)])
     sampled_diff = max(_replay_diff(engine(loaded, spec=False), r) for r in res)
-    return {"greedy_identical": identical, "greedy_logprob_max_abs_diff": diff, "sampled_logprob_max_abs_diff": sampled_diff,
+    # the floor: the plain engine against itself, its batched log-probs vs the same tokens replayed alone
+    # (its attention's rounding depends on the batch: see docs, speculative decoding, exactness)
+    plain_floor = max(_replay_diff(engine(loaded, spec=False), r) for r in plain)
+    return {"greedy_identical": identical, "plain_batch_logprob_max_abs_diff": plain_floor, "greedy_logprob_max_abs_diff": diff, "sampled_logprob_max_abs_diff": sampled_diff,
             "logprob_max_abs_diff": max(diff, sampled_diff),
             "accepted_tokens": spec_eng.stats_dict()["spec_accepted_tokens"]}
 
@@ -313,7 +340,8 @@ def run(quick: bool, console: Console) -> dict:
     ex = exactness(loaded, prompts[:2] if quick else prompts[:4], stores)
     console.print(f"  greedy identical {ex['greedy_identical']}, max |log-prob diff| greedy "
                   f"{ex['greedy_logprob_max_abs_diff']:.2e}, sampled {ex['sampled_logprob_max_abs_diff']:.2e} "
-                  f"({ex['accepted_tokens']} draft tokens accepted)")
+                  f"({ex['accepted_tokens']} draft tokens accepted); plain batched vs alone "
+                  f"{ex['plain_batch_logprob_max_abs_diff']:.2e}")
     dist = sampled_distribution(1000 if quick else 2000)
     console.print(f"  sampled tokens chi-square p {dist['sampled_dist_pvalue']:.3f} ({dist['accepted_tokens']} accepted)")
 
@@ -330,7 +358,8 @@ def run(quick: bool, console: Console) -> dict:
                       f"{[round(a, 3) for a in v['per_pos']]}, {v['tokens']} tokens)")
     paired = paired_tau(loaded, prompts, measured, params, stores, "grp")
     console.print(f"  paired tau (same streams, {paired['positions']} positions): self {paired['self']:.3f}, group "
-                  f"{paired['group']:.3f}, group multipath {paired['group_multipath']:.3f}")
+                  f"{paired['group']:.3f}, self multipath {paired['self_multipath']:.3f}, group multipath "
+                  f"{paired['group_multipath']:.3f}")
     per_pos = taus["group"]["per_pos"]
     acceptance = per_pos[0] if per_pos else 0.0
     sim = simulated_tail(min(acceptance, 0.95), [0] if quick else [0, 1, 2])
@@ -339,10 +368,11 @@ def run(quick: bool, console: Console) -> dict:
     reps = 1 if quick else 3
     tail = {}
     for b in (1, 2, 4):
-        f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False)
+        f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)
         console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
     b32_params = replace(params, max_tokens=32) if quick else params
-    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 1 if quick else 2, b32_params, stores, "b32-", fresh_groups=True)
+    # two rounds even when quick (A B then B A): one round's ratio swung 0.86-1.05 with spec never on
+    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 2, b32_params, stores, "b32-", fresh_groups=True)
     console.print(f"  batch 32: {b32['spec_tps']:.1f} vs {b32['plain_tps']:.1f} tok/s = {b32['ratio']:.2f}x "
                   f"(verify / plain steps {b32['verify_steps']} / {b32['plain_steps']})")
 
@@ -355,7 +385,8 @@ def run(quick: bool, console: Console) -> dict:
     table = Table(title="arborl bench specdec (SmolLM2-135M-Instruct, CPU, calculator GRPO groups, G=8, T=1)")
     for col in ("figure", "value"):
         table.add_column(col)
-    rows = [(f"tau {k}, paired on the same streams (1 + E[accepted])", f"{paired[k]:.3f}") for k in taus]
+    rows = [(f"tau {k}, paired on the same streams (1 + E[accepted])", f"{paired[k]:.3f}")
+            for k in ("self", "group", "self_multipath", "group_multipath")]
     rows += [(f"tau {k}, live decoding (1 + accepted/drafts)", f"{v['tau']:.3f}") for k, v in taus.items()]
     rows += [(f"tail batch {b}: spec / plain tokens/s", f"{f['spec_tps']:.1f} / {f['plain_tps']:.1f} = {f['ratio']:.2f}x")
              for b, f in tail.items()]
@@ -365,6 +396,7 @@ def run(quick: bool, console: Console) -> dict:
               f"{mtp_tau['online']:.3f} / {mtp_tau['frozen']:.3f}"),
              ("greedy tokens identical", str(ex["greedy_identical"])),
              ("max |log-prob - plain|", f"{ex['logprob_max_abs_diff']:.2e}"),
+             ("max |log-prob| plain batched vs plain alone (floor)", f"{ex['plain_batch_logprob_max_abs_diff']:.2e}"),
              ("sampled tokens chi-square p (tiny model)", f"{dist['sampled_dist_pvalue']:.3f}"),
              ("sim Seer-like: tail pinned / Seer / Seer + spec (s)",
               " / ".join(f"{v:.0f}" for v in sim["tail_s"].values())),
@@ -385,6 +417,9 @@ def run(quick: bool, console: Console) -> dict:
         "tau_suffix_group": paired["group"],
         "tau_suffix_group_multipath": paired["group_multipath"],
         "tau_group_gain": paired["group"] - paired["self"],
+        "tau_suffix_self_multipath": paired["self_multipath"],
+        # what the group adds to multi-path drafting (top-4 paths both sides)
+        "tau_group_gain_multipath": paired["group_multipath"] - paired["self_multipath"],
         "tau_positions": paired["positions"],
         "tau_live": {k: v["tau"] for k, v in taus.items()},
         "acceptance_per_position_group": taus["group"]["per_pos"],
@@ -396,6 +431,7 @@ def run(quick: bool, console: Console) -> dict:
         "logprob_max_abs_diff": ex["logprob_max_abs_diff"],
         "greedy_logprob_max_abs_diff": ex["greedy_logprob_max_abs_diff"],
         "sampled_logprob_max_abs_diff": ex["sampled_logprob_max_abs_diff"],
+        "plain_batch_logprob_max_abs_diff": ex["plain_batch_logprob_max_abs_diff"],
         "sampled_dist_pvalue": dist["sampled_dist_pvalue"],
         "sim_spec_acceptance": acceptance,
         "sim_seer_tail_reduction": sim["seer_tail_reduction"],

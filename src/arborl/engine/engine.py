@@ -326,6 +326,7 @@ class LLMEngine:
             [(s.slot, s.kv_len, [s.tokens[-1]] + d.tokens, [-1] + [p + 1 for p in d.parents]) for s, d in zip(batch, drafts)]
         )
         results, hidden = [], []
+        t_walk = time.perf_counter()
         for r, (seq, d, start) in enumerate(zip(batch, drafts, starts)):
             acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.generator)
             # the accepted path's KV moves to consecutive positions; anything past it is rolled back
@@ -335,6 +336,7 @@ class LLMEngine:
             self.spec.accepted(d, len(acc.nodes))
             results.append(acc)
             hidden.append(self.runner.last_hidden[r, [0] + [n + 1 for n in acc.nodes]])
+        self.spec.walked(time.perf_counter() - t_walk, len(batch))
         self.stats.decode_steps += 1
         self.stats.batch_size_sum += len(batch)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))

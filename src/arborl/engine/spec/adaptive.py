@@ -7,6 +7,12 @@ acceptance of draft position j per draft. Each step takes the k (0 = plain decod
 tokens per second; where the verify cost outgrows what acceptance brings (large batches) that is
 k = 0 and speculation is off. While it is off the measured acceptance relaxes towards the prior, so
 speculation is tried again later (drafts may have become better: the group's siblings progressed).
+
+The per-sequence work around a verify forward (drafting, and the acceptance walk over each sequence's
+logits) is measured live and added to the cost; it grows with the batch while the profile's forward
+does not see it. A k > 0 must beat plain decoding by ``MIN_GAIN``: near break-even (large batches)
+the profile's timing noise and the acceptance estimate's error are larger than the gain, and there a
+wrong guess loses throughput while a right one gains almost nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Callable
 DECAY = 0.995  # per recorded draft: acceptance follows the policy as it trains
 RELAX = 0.98  # per plain step: what was measured fades towards the prior while speculation is off
 PRIOR_WEIGHT = 8.0  # drafts' worth of the prior acceptance
+MIN_GAIN = 1.05  # expected tokens/s over plain decoding that a k > 0 must reach
 
 
 @dataclass
@@ -61,6 +68,10 @@ class VerifyProfile:
         return cls(list(batches), list(positions), seconds)
 
 
+def _ema(old: float, new: float) -> float:
+    return 0.9 * old + 0.1 * new if old else new
+
+
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise linear through (xs, ys), extended linearly past the ends."""
     if len(xs) == 1:
@@ -78,41 +89,58 @@ class AdaptiveLength:
     paths: int = 1  # candidate paths per draft: verify positions ~ k * paths
     adaptive: bool = True
     draft_s_per_seq: float = 0.0  # running estimate of drafting time per sequence
+    accept_s_per_seq: float = 0.0  # running estimate of the acceptance walk's time per sequence
     _acc: list[float] = field(default_factory=list)  # decayed accepted count per position
-    _drafts: float = 0.0  # decayed number of drafts
+    _seen: list[float] = field(default_factory=list)  # decayed number of drafts that observed each position
 
     def __post_init__(self) -> None:
         self._acc = [0.0] * self.max_k
+        self._seen = [0.0] * self.max_k
 
     def acceptance(self) -> list[float]:
         """a_j, the expected accepted tokens at draft position j per draft (prior where unmeasured)."""
         out = []
         for j in range(self.max_k):
             prior = self.prior ** (j + 1)
-            out.append((self._acc[j] + PRIOR_WEIGHT * prior) / (self._drafts + PRIOR_WEIGHT))
+            out.append((self._acc[j] + PRIOR_WEIGHT * prior) / (self._seen[j] + PRIOR_WEIGHT))
         return out
 
-    def record(self, accepted: int) -> None:
-        self._drafts = self._drafts * DECAY + 1
+    def record(self, accepted: int, verified: int | None = None, depth: int | None = None, asked: int | None = None) -> None:
+        """One draft: ``accepted`` of its tokens were accepted. It observed positions < ``verified`` (the k
+        it was verified at) and, where the drafter had fewer than the ``asked`` tokens (``depth``), every
+        position from ``depth`` on (nothing there to accept at any k). The positions between ``verified``
+        and what the drafter had are censored, not rejected: counting them as zeros would make a small k
+        its own evidence and the rule could never lengthen the drafts again. (None: every position.)"""
+        verified = self.max_k if verified is None else verified
+        short = depth is not None and asked is not None and depth < asked
         for j in range(self.max_k):
-            self._acc[j] = self._acc[j] * DECAY + (1.0 if j < accepted else 0.0)
+            if j < verified or (short and j >= depth):
+                self._seen[j] = self._seen[j] * DECAY + 1
+                self._acc[j] = self._acc[j] * DECAY + (1.0 if j < accepted else 0.0)
 
     def record_draft_time(self, seconds: float, seqs: int) -> None:
         if seqs:
-            self.draft_s_per_seq = 0.9 * self.draft_s_per_seq + 0.1 * seconds / seqs if self.draft_s_per_seq else seconds / seqs
+            self.draft_s_per_seq = _ema(self.draft_s_per_seq, seconds / seqs)
+
+    def record_accept_time(self, seconds: float, seqs: int) -> None:
+        if seqs:
+            self.accept_s_per_seq = _ema(self.accept_s_per_seq, seconds / seqs)
 
     def tokens_per_s(self, batch: int, k: int, drafted: float = 1.0) -> float:
         """Expected tokens per second with k draft positions when a share ``drafted`` of the batch has a draft."""
         assert self.profile is not None
         gain = 1.0 + drafted * sum(self.acceptance()[:k])
-        cost = self.profile.cost(batch, k * self.paths if k else 0) + (batch * self.draft_s_per_seq if k else 0.0)
+        cost = self.profile.cost(batch, k * self.paths if k else 0)
+        if k:
+            cost += batch * (self.draft_s_per_seq + self.accept_s_per_seq)
         return batch * gain / cost
 
     def choose(self, batch: int, drafted: float = 1.0) -> int:
-        if not self.adaptive or self.profile is None:
+        if not self.adaptive or self.profile is None or self.max_k == 0:
             return self.max_k
-        return max(range(self.max_k + 1), key=lambda k: (self.tokens_per_s(batch, k, drafted), -k))
+        k = max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_s(batch, k, drafted), -k))
+        return k if self.tokens_per_s(batch, k, drafted) >= MIN_GAIN * self.tokens_per_s(batch, 0) else 0
 
     def relax(self) -> None:
-        self._drafts *= RELAX
+        self._seen = [n * RELAX for n in self._seen]
         self._acc = [a * RELAX for a in self._acc]

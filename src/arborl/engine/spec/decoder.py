@@ -60,6 +60,7 @@ class SpecDecoder:
         self.length = AdaptiveLength(max_k=cfg.num_tokens, prior=cfg.prior_acceptance, profile=profile,
                                      paths=cfg.num_paths, adaptive=cfg.adaptive)
         self.last_k = 0
+        self._observed: dict[int, tuple[int, int, int]] = {}  # this step's drafts: (verified k, natural depth, asked k)
 
     def drafts(self, batch: list[Sequence]) -> list[Draft] | None:
         """The drafts to verify this step, one per sequence of ``batch``; None: decode plainly."""
@@ -74,8 +75,9 @@ class SpecDecoder:
         dt = time.perf_counter() - t0
         self.metrics.draft_s += dt
         self.length.record_draft_time(dt, len(batch))
-        out = []
+        out, natural = [], []
         for seq, d in zip(batch, drafts):
+            natural.append(d.depth())  # what the drafter had (<= k): positions past it hold nothing at any k
             p = seq.request.params
             depth = min(k, p.max_tokens - len(seq.output) - 1)  # tokens past max_tokens would be dropped
             d = d.truncated(depth) if depth > 0 else Draft()
@@ -83,10 +85,13 @@ class SpecDecoder:
                 d = Draft()
             out.append(d)
         drafted = sum(1 for d in out if len(d))
-        k = self.last_k = self.length.choose(len(batch), drafted / len(batch)) if drafted else 0
+        asked, k = k, self.length.choose(len(batch), drafted / len(batch)) if drafted else 0
+        self.last_k = k
         if k == 0:
             return self._plain()
-        return [d.truncated(k) for d in out]
+        out = [d.truncated(k) for d in out]
+        self._observed = {id(d): (k, depth, asked) for d, depth in zip(out, natural)}
+        return out
 
     def _plain(self) -> None:
         self.metrics.plain_steps += 1
@@ -107,9 +112,14 @@ class SpecDecoder:
         if load is not None and state:
             load(state)
 
+    def walked(self, seconds: float, seqs: int) -> None:
+        """The acceptance walk of one verify step took ``seconds`` for ``seqs`` sequences (a cost per
+        sequence that the verify profile does not hold)."""
+        self.length.record_accept_time(seconds, seqs)
+
     def accepted(self, draft: Draft, n: int) -> None:
         if len(draft):  # acceptance per draft: sequences without one are accounted for by their share
-            self.length.record(n)
+            self.length.record(n, *self._observed.get(id(draft), (None, None, None)))
             self.metrics.record(len(draft), n)
 
     def stats(self) -> dict:

@@ -1,0 +1,76 @@
+"""The adaptive rule's cost side: a k > 0 must beat plain decoding by a margin (never a loss near
+break-even), and the acceptance walk's time per sequence, measured by the engine, counts. ~2 s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arborl.config import EngineConfig, SpecConfig
+from arborl.engine import LLMEngine
+from arborl.engine.spec.adaptive import MIN_GAIN, AdaptiveLength, VerifyProfile
+from arborl.models import tiny_llama
+from arborl.types import GenerateRequest, SamplingParams
+
+VOCAB = 512
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is faster
+
+
+def flat(step: float) -> VerifyProfile:
+    """T(B, n) = 1 + step * n at every batch."""
+    positions = [0, 1, 2, 4]
+    return VerifyProfile([1, 32], positions, [[1.0 + step * n for n in positions]] * 2)
+
+
+def test_near_break_even_stays_plain():
+    # k = 1 expects 1.6 tokens for 1.55x the time: +3%, inside the margin -> plain decoding
+    length = AdaptiveLength(max_k=1, prior=0.6, profile=flat(0.55))
+    assert 1.0 < length.tokens_per_s(32, 1) / length.tokens_per_s(32, 0) < MIN_GAIN
+    assert length.choose(32) == 0
+    # a clear gain still speculates
+    assert AdaptiveLength(max_k=1, prior=0.6, profile=flat(0.3)).choose(32) == 1
+
+
+def test_acceptance_walk_time_counts():
+    length = AdaptiveLength(max_k=4, prior=0.6, profile=flat(0.1))
+    assert length.choose(8) > 0
+    length.record_accept_time(8 * 0.5, 8)  # half a forward per sequence spent walking drafts
+    assert length.accept_s_per_seq == pytest.approx(0.5)
+    assert length.choose(8) == 0
+    assert AdaptiveLength(max_k=0, prior=0.6, profile=flat(0.1)).choose(8) == 0  # no draft positions at all
+
+
+def test_engine_measures_the_walk_per_sequence(tmp_path):
+    model = tiny_llama(layers=2, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=0)
+    cheap = VerifyProfile([1, 4], [0, 1, 2, 4], [[1.0, 1.0, 1.0, 1.0]] * 2)  # verifying is free: always draft
+    (tmp_path / "profile.json").write_text(json.dumps(cheap.to_json()))
+    spec = SpecConfig(enabled=True, num_tokens=4, profile_path=str(tmp_path / "profile.json"))
+    eng = LLMEngine(model, EngineConfig(max_seq_len=256, max_batch_size=4, spec=spec), eos_token_ids=[VOCAB - 1])
+    assert eng.spec.length.accept_s_per_seq == 0.0
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for _ in range(2):  # greedy: the second member drafts the first's tokens from the group store
+        eng.generate([GenerateRequest([5, 6, 7, 8], p, group_id=f"walk-{id(eng)}")])
+    assert eng.spec_stats()["spec_verify_steps"] > 0
+    assert 0.0 < eng.spec.length.accept_s_per_seq < 1.0
+
+
+def test_positions_past_the_verified_k_are_censored_not_rejected():
+    length = AdaptiveLength(max_k=4, prior=0.6, profile=flat(0.1))
+    for _ in range(300):  # verified at k = 1 and always accepted; the drafter had 4 tokens each time
+        length.record(1, verified=1, depth=4, asked=4)
+    a = length.acceptance()
+    assert a[0] > 0.95 and a[1] == pytest.approx(0.36)  # position 2 was never tried: still the prior
+    assert length.choose(1) > 1  # so longer drafts are still tried
+    # a drafter that only ever has 1 token: the positions past it are zeros whatever k was verified
+    short = AdaptiveLength(max_k=4, prior=0.6, profile=flat(0.1))
+    for _ in range(300):
+        short.record(1, verified=1, depth=1, asked=4)
+    assert short.acceptance()[1] < 0.05 and short.choose(1) == 1
+    # the old reading (every position observed) drives them to zero: what the censoring prevents
+    naive = AdaptiveLength(max_k=4, prior=0.6, profile=flat(0.1))
+    for _ in range(300):
+        naive.record(1)
+    assert naive.acceptance()[1] < 0.05
