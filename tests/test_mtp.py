@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers.spec_checks import assert_policy_logprobs
 from helpers.tiny_run import tiny_cfg
 
 from arborl.config import Config, EngineConfig, MTPTrainConfig, SpecConfig
@@ -139,13 +140,7 @@ def test_mtp_drafts_are_lossless(trained):
     # sampled: every log-prob is the policy's (a plain forward over the stream)
     res = eng.generate([GenerateRequest(p, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=i),
                                         request_id=f"s{i}") for i, p in enumerate(prompts(4))])
-    check = engine(policy, spec=False)
-    for r in res:
-        full = r.prompt_token_ids + r.token_ids
-        logits = check.runner.verify([(0, 0, full[:-1], list(range(-1, len(full) - 2)))])[0].float()
-        n = len(r.prompt_token_ids)
-        lp = torch.log_softmax(logits[n - 1:], -1)[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)]
-        assert (lp - torch.tensor(r.logprobs)).abs().max() <= 1e-5
+    assert_policy_logprobs(engine(policy, spec=False), res)
     # a weight update (policy + head) mid-request: versions switch, tokens continue as the new policy's
     new = model(seed=1)
     new_head = head_state(MTPHead(new))

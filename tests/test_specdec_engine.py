@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.spec_checks import assert_policy_logprobs
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
@@ -231,13 +232,7 @@ def test_draft_model_drafter_greedy_sampled_and_weight_update():
     # sampled: same seeds, log-probs of every token are the policy's (checked against a plain forward)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1)
     res = serve(make_engine(model, drafter="draft_model", draft_layers=3, num_tokens=4), requests(params, n=2))
-    check = make_engine(model, spec=False)
-    for r in res:
-        full = r.prompt_token_ids + r.token_ids
-        logits = check.runner.verify([(0, 0, full[:-1], list(range(-1, len(full) - 2)))])[0].float()
-        n = len(r.prompt_token_ids)
-        lp = torch.log_softmax(logits[n - 1 :], -1)[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)]
-        assert (lp - torch.tensor(r.logprobs)).abs().max() <= 1e-5
+    assert_policy_logprobs(make_engine(model, spec=False), res)
     # a weight update mid-request: the shared layers change, the draft KV is recomputed, still exact
     new = tiny_llama(layers=3, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=1)
     eng = make_engine(tiny_llama(layers=3, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=0),

@@ -17,7 +17,7 @@ from typing import Any
 
 from arborl.cluster.actor import EngineActor
 from arborl.cluster.remote import RemoteEngine
-from arborl.cluster.session import ClusterError, pg_name, ray_module, start, stop
+from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg, start, stop
 from arborl.cluster.weights import WEIGHT_SYNC, WeightPublisher
 from arborl.config import Config
 
@@ -117,12 +117,7 @@ class RayDeployment:
             for e in self.engines:
                 e.shutdown()
             if self.pg is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                try:
-                    remove_placement_group(self.pg)
-                except Exception:  # noqa: BLE001 - Ray already down
-                    pass
+                remove_pg(self.pg)
                 self.pg = None
             self.publisher.close()
         finally:

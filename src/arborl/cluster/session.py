@@ -52,6 +52,16 @@ def stop(started: bool) -> None:
         ray_module().shutdown()
 
 
+def remove_pg(pg) -> None:  # noqa: ANN001 - a Ray PlacementGroup
+    """Remove a placement group this run made; nothing if Ray is already down."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - Ray already down
+        pass
+
+
 def pg_name(kind: str) -> str:
     """A placement group's name: what it holds and the process that made it (``remove_orphans``)."""
     return f"arborl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from arborl.cluster.session import ClusterError, pg_name, ray_module
+from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg
 from arborl.config import ClusterConfig, RolloutConfig
 from arborl.workers.pool import WorkerDiedError
 
@@ -141,12 +141,7 @@ class RayWorkerPool:
 
     def _remove_pg(self) -> None:
         if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001 - Ray already down
-                pass
+            remove_pg(self.pg)
             self.pg = None
 
     # -- episodes ---------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ class PackedForward:
             a, mlp = layer.self_attn, layer.mlp
             if hasattr(a, "q_norm") or not all(_rms_norm_ok(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)):
                 return False
-            groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+            get = lambda owner, *names: tuple(getattr(owner, n, None) for n in names)  # noqa: E731 - MoE MLPs lack them
+            groups = (get(a, "q_proj", "k_proj", "v_proj"), get(a, "o_proj"), get(mlp, "gate_proj", "up_proj"), get(mlp, "down_proj"))
             if not all(g in packed for g in groups):
                 return False
         return True
