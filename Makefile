@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox browser vllm train test bench-engine knobs clean
+.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e ".[lora,dashboard]"
 	touch $@
 
-venv: $(VENV)/.installed sandbox
+venv: $(VENV)/.installed sandbox compiler
 
 # what the suite needs on top: pytest and the test-only extras (Ray, loggers, Playwright), chromium
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -33,6 +33,12 @@ sandbox:
 	@command -v bwrap >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
 	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (dnf/pacman: bubblewrap), or set rollout.envs.runtime=local (no isolation)"; fi; }
+
+# a C++ compiler for the engine's attention kernel (built on first use; without one the engine uses SDPA)
+compiler:
+	@command -v g++ >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q g++ || { apt-get update -q && apt-get install -y -q g++; }; \
+	  else echo "g++ is missing: sudo apt-get install -y g++ (the engine falls back to SDPA attention without it)"; fi; }
 
 # Debian's chromium for the dashboard's browser tests (Playwright drives it; no browser download)
 browser:

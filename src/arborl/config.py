@@ -178,6 +178,14 @@ class EngineConfig(Section):
         description="on CPU with float32 weights, run the projections through oneDNN from weights reordered once per "
         "weight update (faster decode; one extra copy of the Linear weights in memory)",
     )
+    attention: Literal["auto", "kernel", "sdpa"] = Field(
+        "auto",
+        description="decode and draft-verify attention: kernel = arborl's C++ kernel (engine/csrc, built on first use "
+        "with the system C++ compiler; float32 on CPU), whose per-token result does not depend on the batch, the padding "
+        "or the draft tree, so batched, alone and speculative decoding record bitwise equal log-probs, and which is "
+        "faster than SDPA at decode shapes; sdpa = torch's scaled_dot_product_attention (results move ~1e-7 per layer "
+        "with the batch); auto = kernel where it builds and fits, else sdpa. Prefill always uses SDPA",
+    )
     engine_id: str = Field("engine-0", description="name stamped on every result this engine serves")
     backend: str = Field(
         "builtin",

@@ -40,6 +40,7 @@ from arborl.bench.scheduling_bench import SEER_WORKLOAD
 from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.engine.model_runner import ModelRunner
+from arborl.engine.sampling import log_probs
 from arborl.engine.spec import Draft
 from arborl.engine.spec.suffix import GroupStores, TokenStore, draft_paths
 from arborl.engine.spec.verify import sampling_logprobs
@@ -240,7 +241,7 @@ def _replay_diff(plain: LLMEngine, r) -> float:
     for tok in r.token_ids[:-1]:
         logits.append(plain.runner.decode([tok], [pos])[0])
         pos += 1
-    lp = torch.log_softmax(torch.stack(logits).float(), -1)[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)]
+    lp = log_probs(torch.stack(logits).float())[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)]
     return float((lp - torch.tensor(r.logprobs)).abs().max())
 
 

@@ -87,7 +87,8 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.version = version
         self.runner = ModelRunner(
-            model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights
+            model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights,
+            attention=config.attention,
         )
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
         self._rng = torch.Generator().manual_seed(seed)

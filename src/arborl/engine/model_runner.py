@@ -11,13 +11,16 @@ from torch import nn
 from arborl.engine.kv_cache import SlotKVCache
 from arborl.engine.packed import PackedLinears, packing_available
 from arborl.engine.packed_forward import PackedForward
+from arborl.engine import tree_attention as tree_kernel
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
 from arborl.models.quantize import is_low_precision, load_serving_weights
 from arborl.types import ArborlError
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, *, slots: int, max_len: int, packed: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, *, slots: int, max_len: int, packed: bool = False, attention: str = "auto"
+    ) -> None:
         shape = DecoderShape.of(model, max_len)
         self.model = model
         self.scaling = shape.scaling
@@ -41,6 +44,23 @@ class ModelRunner:
         # the lean forward over those packed weights where the model is a plain Llama-layout decoder
         self.packed_forward = (PackedForward(model, self.linear)
                                if self.linear is not None and PackedForward.supports(model, self.linear) else None)
+        # decode and verify attention: our batch-invariant kernel, or SDPA (engine.attention)
+        self.tree_kernel = self._tree_kernel_wanted(attention)
+
+    def _tree_kernel_wanted(self, attention: str) -> bool:
+        if attention == "sdpa":
+            return False
+        fits = self.dtype == torch.float32 and self.device.type == "cpu"
+        if attention == "kernel":
+            if not fits:
+                raise ArborlError(f"engine.attention=kernel runs float32 on the CPU, not {self.dtype} on {self.device}")
+            if not tree_kernel.available():
+                raise ArborlError(f"engine.attention=kernel: the kernel did not build ({tree_kernel.build_error()}); "
+                                  "install a C++ compiler and ninja, or set engine.attention=sdpa")
+            return True
+        if attention != "auto":
+            raise ArborlError(f"engine.attention must be auto, kernel or sdpa, not {attention!r}")
+        return fits and tree_kernel.available()
 
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, make_attend) -> torch.Tensor:
         if self.packed_forward is not None:
@@ -51,7 +71,8 @@ class ModelRunner:
     def prefill(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Prefill several sequences in one forward. Each item is (slot, token_ids, start): the tokens
         go to positions [start, start+len) of the slot, whose KV for [0, start) is already there.
-        The projections and MLPs run on all tokens at once; attention runs per sequence.
+        The projections and MLPs run on all tokens at once; attention runs per sequence (the kernel:
+        per token, as decode does, so a prompt's KV and logits do not depend on how it was chunked).
         Returns the logits after each item's last token, [len(items), vocab]."""
         ids, positions, spans, masks = [], [], [], []
         offset = 0
@@ -69,27 +90,33 @@ class ModelRunner:
         position_ids = torch.cat(positions).unsqueeze(0)
         self.kv.ensure(max(end for _, _, end, _ in spans))
 
+        if self.tree_kernel:  # the token at position p attends to keys [0, p] of its slot
+            row_slot = torch.tensor([slot for slot, start, end, _ in spans for _ in range(end - start)], device=self.device)
+            row_keys = position_ids[0] + 1
+            no_extra = torch.empty(len(ids), 0, dtype=torch.long, device=self.device)
+
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                outs = []
-                for (slot, start, end, off), mask in zip(spans, masks):
-                    n = end - start
-                    kc[slot, :, start:end] = k[0, :, off : off + n]
-                    vc[slot, :, start:end] = v[0, :, off : off + n]
-                    outs.append(
-                        F.scaled_dot_product_attention(
-                            q[:, :, off : off + n],
-                            kc[slot : slot + 1, :, :end],
-                            vc[slot : slot + 1, :, :end],
-                            attn_mask=mask,
-                            is_causal=mask is None,
-                            scale=self.scaling,
-                            enable_gqa=self.gqa,
-                        )
+                for slot, start, end, off in spans:
+                    kc[slot, :, start:end] = k[0, :, off : off + end - start]
+                    vc[slot, :, start:end] = v[0, :, off : off + end - start]
+                if self.tree_kernel:
+                    out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, row_slot, row_keys, no_extra, self.scaling)
+                    return out.transpose(0, 1).unsqueeze(0)
+                return torch.cat([
+                    F.scaled_dot_product_attention(
+                        q[:, :, off : off + end - start],
+                        kc[slot : slot + 1, :, :end],
+                        vc[slot : slot + 1, :, :end],
+                        attn_mask=mask,
+                        is_causal=mask is None,
+                        scale=self.scaling,
+                        enable_gqa=self.gqa,
                     )
-                return torch.cat(outs, dim=2)
+                    for (slot, start, end, off), mask in zip(spans, masks)
+                ], dim=2)
 
             return attend
 
@@ -108,6 +135,7 @@ class ModelRunner:
         self.kv.ensure(length)
         rows = torch.arange(n, device=self.device)
         mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        own = pos.unsqueeze(1)
 
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
@@ -115,6 +143,8 @@ class ModelRunner:
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 kc[rows, :, pos] = k[:, :, 0]
                 vc[rows, :, pos] = v[:, :, 0]
+                if self.tree_kernel:  # keys [0, pos) then pos itself
+                    return tree_kernel.tree_attention(q[:, :, 0], kc, vc, rows, pos, own, self.scaling).unsqueeze(2)
                 return F.scaled_dot_product_attention(
                     q, kc[:n, :, :length], vc[:n, :, :length], attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
                 )
@@ -140,17 +170,26 @@ class ModelRunner:
         pos = torch.zeros(b, width, dtype=torch.long)
         mask = torch.zeros(b, 1, width, length, dtype=torch.bool)
         w_rows, w_cols, w_slots, w_pos = [], [], [], []
+        # the kernel's view of the same tree: row (r, i) attends to [0, start) then its chain of slot positions
+        row_slot = torch.zeros(b, width, dtype=torch.long)
+        prefix = torch.zeros(b, width, dtype=torch.long)
+        chains: list[list[int]] = []
         for r, (slot, start, toks, parents) in enumerate(items):
             n = len(toks)
             ids[r, :n] = torch.tensor(toks)
             depth = [0] * n
             anc = torch.zeros(n, n, dtype=torch.bool)
+            chain: list[list[int]] = []
             for i in range(n):
                 p = parents[i]
                 if p >= 0:
                     depth[i] = depth[p] + 1
                     anc[i] = anc[p]
                 anc[i, i] = True
+                chain.append((chain[p] if p >= 0 else []) + [start + i])
+            chains += chain + [[start]] * (width - n)  # padding rows: node 0's key, read and discarded
+            row_slot[r] = slot
+            prefix[r] = start
             pos[r, :n] = start + torch.tensor(depth)
             mask[r, 0, :, :start] = True  # padding rows see the prefix too (no all-masked row: NaN)
             mask[r, 0, :n, start : start + n] = anc
@@ -168,12 +207,21 @@ class ModelRunner:
         # running sequences fill slots 0..n-1 in order: a view then, not a gather
         slots = slice(0, b) if slot_ids == list(range(b)) else torch.tensor(slot_ids, device=dev)
 
+        deepest = max(len(c) for c in chains)
+        extra = torch.tensor([c + [-1] * (deepest - len(c)) for c in chains], device=dev)
+        row_slot, prefix = row_slot.view(-1).to(dev), prefix.view(-1).to(dev)
+
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 kc[w_slots_t, :, w_pos_t] = k[w_rows_t, :, w_cols_t]
                 vc[w_slots_t, :, w_pos_t] = v[w_rows_t, :, w_cols_t]
+                if self.tree_kernel:
+                    nq, hd = q.shape[1], q.shape[3]
+                    rows_q = q.transpose(1, 2).reshape(b * width, nq, hd)
+                    out = tree_kernel.tree_attention(rows_q, kc, vc, row_slot, prefix, extra, self.scaling)
+                    return out.view(b, width, nq, hd).transpose(1, 2)
                 return F.scaled_dot_product_attention(
                     q, kc[slots, :, :length], vc[slots, :, :length], attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
                 )

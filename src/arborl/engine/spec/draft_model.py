@@ -47,7 +47,7 @@ class DraftModelDrafter:
     def __init__(self, engine: EngineView) -> None:
         cfg = engine.config
         self.model = TruncatedLM(engine.model, cfg.spec.draft_layers).eval()
-        self.runner = ModelRunner(self.model, slots=cfg.max_batch_size, max_len=cfg.max_seq_len)
+        self.runner = ModelRunner(self.model, slots=cfg.max_batch_size, max_len=cfg.max_seq_len, attention=cfg.attention)
         self._free = list(range(cfg.max_batch_size - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._valid: dict[str, int] = {}  # tokens of the sequence whose draft KV is valid

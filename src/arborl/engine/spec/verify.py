@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborl.engine.sampling import _truncate
+from arborl.engine.sampling import _truncate, log_probs
 from arborl.engine.spec.draft import Draft
 from arborl.types import SamplingParams
 
@@ -38,7 +38,7 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         top_k = torch.full((n,), params.top_k, device=logits.device)
         top_p = torch.full((n,), params.top_p, device=logits.device)
         scaled = _truncate(scaled, top_k, top_p)
-    return torch.log_softmax(scaled, dim=-1)
+    return log_probs(scaled)
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -51,7 +51,7 @@ def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator
     """Walk ``draft`` (node i's logits are row i + 1 of ``logits`` [1 + len(draft), vocab]; row 0 is
     the root's) and return the tokens it accepts plus the policy's next token."""
     logits = logits.float()
-    raw = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    raw = log_probs(logits)
     children: dict[int, list[int]] = {}
     for i, p in enumerate(draft.parents):
         children.setdefault(p + 1, []).append(i + 1)  # rows: root 0, node i -> i + 1

@@ -1,0 +1,218 @@
+// Decode and tree-verify attention for the CPU engine (arborl.engine.tree_attention).
+//
+// Every query row walks its keys in logical order (the slot's prefix [0, prefix), then its own
+// listed positions, e.g. the ancestors of a draft node) with one fixed loop, whatever the batch,
+// the padded length or the other rows. So a token's attention output is bitwise the same decoded
+// alone, decoded in a batch of 32, or verified as a node of a draft tree: speculative decoding then
+// records exactly the log-probs plain decoding does. The q heads that share a KV head are done in
+// one pass over that head's keys (GQA without repeating K/V).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ARBORL_AVX2 1
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int u = 0; u < kLanes; ++u) acc[u] += a[d + u] * b[d + u];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
+  float s = acc[0];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, branch-free so
+// the compiler vectorises the loop that calls it; within 2 ulp of std::exp.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// scores[j] = scale * q . K[keys[j]] for j < L. The grouping of keys (blocks of 8, then single keys)
+// depends on j and L only, so a row's scores never depend on other rows.
+inline void scores_row(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
+                       float* scores) {
+  int64_t j = 0;
+#ifdef ARBORL_AVX2
+  if (D % 8 == 0) {
+    for (; j + 8 <= L; j += 8) {
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbase + keys[j + u] * D + d), a[u]);
+      }
+      // 8 accumulators -> one vector of 8 sums, key u in lane u
+      const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+      const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
+}
+
+#ifdef ARBORL_AVX2
+// The accumulator of N*8 floats stays in registers.
+template <int N>
+inline void weighted_sum_avx2(const float* p, const float* vbase, const int64_t* keys, int64_t L, float* acc) {
+  __m256 a[N];
+  for (int u = 0; u < N; ++u) a[u] = _mm256_loadu_ps(acc + 8 * u);
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const float* v = vbase + keys[j] * (8 * N);
+    for (int u = 0; u < N; ++u) a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), a[u]);
+  }
+  for (int u = 0; u < N; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
+}
+#endif
+
+// acc[:D] += sum_j p[j] * V[keys[j]], j in order.
+inline void weighted_sum(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc) {
+#ifdef ARBORL_AVX2
+  switch (D) {
+    case 64: return weighted_sum_avx2<8>(p, vbase, keys, L, acc);
+    case 128: return weighted_sum_avx2<16>(p, vbase, keys, L, acc);
+    case 32: return weighted_sum_avx2<4>(p, vbase, keys, L, acc);
+    case 96: return weighted_sum_avx2<12>(p, vbase, keys, L, acc);
+    default: break;
+  }
+#endif
+  for (int64_t j = 0; j < L; ++j) {
+    const float* v = vbase + keys[j] * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v[d];
+  }
+}
+
+void check(const at::Tensor& t, const char* name, int64_t dim, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == dim, "tree_attention: ", name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == dtype, "tree_attention: ", name, " has dtype ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), "tree_attention: ", name, " must be on the CPU");
+}
+
+// q [R, Hq, D]; k_cache, v_cache [slots, Hkv, capacity, D] (last two dims contiguous);
+// row_slot, prefix [R]; extra [R, E] slot positions attended after the prefix, -1 = none.
+// Returns [R, Hq, D].
+at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& row_slot_in, const at::Tensor& prefix_in, const at::Tensor& extra_in,
+                          double scale) {
+  check(q_in, "q", 3, at::kFloat);
+  check(k_cache, "k_cache", 4, at::kFloat);
+  check(v_cache, "v_cache", 4, at::kFloat);
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor row_slot = row_slot_in.to(at::kLong).contiguous();
+  const at::Tensor prefix = prefix_in.to(at::kLong).contiguous();
+  const at::Tensor extra = extra_in.to(at::kLong).contiguous();
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), C = k_cache.size(2);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "tree_attention: k_cache and v_cache differ in layout");
+  TORCH_CHECK(k_cache.size(3) == D && k_cache.stride(3) == 1 && k_cache.stride(2) == D,
+              "tree_attention: the cache's last two dims must be contiguous [capacity, head_dim]");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "tree_attention: ", Hq, " query heads over ", Hkv, " kv heads");
+  TORCH_CHECK(row_slot.numel() == R && prefix.numel() == R && extra.dim() == 2 && extra.size(0) == R,
+              "tree_attention: row_slot, prefix [R] and extra [R, E] must match q's ", R, " rows");
+  const int64_t G = Hq / Hkv, E = extra.size(1);
+  const int64_t* slot_p = row_slot.data_ptr<int64_t>();
+  const int64_t* prefix_p = prefix.data_ptr<int64_t>();
+  const int64_t* extra_p = extra.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(slot_p[r] >= 0 && slot_p[r] < S, "tree_attention: row ", r, " slot ", slot_p[r], " out of range");
+    TORCH_CHECK(prefix_p[r] >= 0 && prefix_p[r] <= C, "tree_attention: row ", r, " prefix ", prefix_p[r], " > capacity");
+    int64_t keys = prefix_p[r];
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t pos = extra_p[r * E + e];
+      TORCH_CHECK(pos < C, "tree_attention: row ", r, " position ", pos, " > capacity");
+      keys += pos >= 0;
+    }
+    TORCH_CHECK(keys > 0, "tree_attention: row ", r, " attends to no key");
+  }
+  at::Tensor out = at::empty({R, Hq, D}, q.options());
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k_cache.data_ptr<float>();
+  const float* vd = v_cache.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t s_slot = k_cache.stride(0), s_head = k_cache.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> keys;
+    std::vector<float> acc(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / Hkv, g = task % Hkv;
+      keys.clear();
+      for (int64_t j = 0; j < prefix_p[r]; ++j) keys.push_back(j);
+      for (int64_t e = 0; e < E; ++e)
+        if (extra_p[r * E + e] >= 0) keys.push_back(extra_p[r * E + e]);
+      const int64_t L = static_cast<int64_t>(keys.size());
+      scores.resize(G * L);
+      const float* kbase = kd + slot_p[r] * s_slot + g * s_head;
+      const float* vbase = vd + slot_p[r] * s_slot + g * s_head;
+      const float* qrow = qd + (r * Hq + g * G) * D;
+      for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> total(G, 0.0f);
+      for (int64_t h = 0; h < G; ++h) {
+        float* s = scores.data() + h * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < L; ++j) s[j] = exp_nonpositive(s[j] - m);
+        float part[8] = {0};
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8)
+          for (int u = 0; u < 8; ++u) part[u] += s[j + u];
+        float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        for (; j < L; ++j) sum += s[j];
+        total[h] = sum;
+      }
+      for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D);
+      for (int64_t h = 0; h < G; ++h) {
+        float* o = od + (r * Hq + g * G + h) * D;
+        const float inv = 1.0f / total[h];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(arborl, m) {
+  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor row_slot, Tensor prefix, Tensor extra, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(arborl, CPU, m) {
+  m.impl("tree_attention", &tree_attention);
+}

@@ -1,0 +1,80 @@
+"""The engine's decode / tree-verify attention kernel (``csrc/tree_attention.cpp``), built on first use.
+
+Why our own kernel: CPU SDPA's results move with the batch, the padded key length and the number of
+query rows (1e-8..2e-7 per layer, ~4e-5 in the log-probs after 30 layers), so a token verified in a
+draft tree, or decoded beside other sequences, did not get the log-prob it gets decoded alone. This
+kernel walks each row's keys in one fixed order, so those are bitwise equal; and at decode shapes it
+is faster than SDPA's flash kernel (no mask, no padded keys, each KV head read once for its group of
+query heads). ``engine.attention`` picks it ("auto": when it builds and the cache is float32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from arborl.types import ArborlError
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "tree_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    """The build uses -march=native: one build per CPU feature set (a shared home across machines)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = os.uname().machine
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def available() -> bool:
+    """Build (once per process; the compiled library is cached on disk) and load the kernel.
+    False, with the reason logged and kept in ``build_error()``, where it cannot be built."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                from torch.utils import cpp_extension
+
+                cpp_extension.load(
+                    name=f"arborl_tree_attention_{_cpu_tag()}",
+                    sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
+                _state["ok"] = True
+            except Exception as exc:  # no compiler / ninja / headers: the engine keeps SDPA
+                _state["ok"] = False
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                log.warning("engine.attention: the tree-attention kernel did not build (%s); using SDPA", exc)
+        return bool(_state["ok"])
+
+
+def build_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_slot: torch.Tensor,
+    prefix: torch.Tensor,
+    extra: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query rows ``q`` [R, Hq, D] over the KV cache ``[slots, Hkv, capacity, D]``: row r
+    attends to positions [0, prefix[r]) of slot row_slot[r], then to the positions ``extra[r]`` lists
+    (-1 = none) in that order. Returns [R, Hq, D]."""
+    if not available():
+        raise ArborlError(f"the tree-attention kernel is unavailable: {build_error()}")
+    return torch.ops.arborl.tree_attention(q, k_cache, v_cache, row_slot, prefix, extra, scale)
