@@ -74,3 +74,12 @@ def test_positions_past_the_verified_k_are_censored_not_rejected():
     for _ in range(300):
         naive.record(1)
     assert naive.acceptance()[1] < 0.05
+
+
+def test_packed_verify_is_costed_by_the_drafts_it_holds():
+    # the kernel's verify packs trees without padding: two 4-node drafts among 4 sequences cost 2 nodes
+    # per sequence on average, not 4
+    length = AdaptiveLength(max_k=4, prior=0.8, profile=flat(0.5))
+    padded, packed = length.tokens_per_s(4, 4, 0.5), length.tokens_per_s(4, 4, 0.5, sizes=[4, 4, 0, 0])
+    assert packed / padded == pytest.approx((1 + 0.5 * 4) / (1 + 0.5 * 2))
+    assert length.choose(4, 0.5) == 0 and length.choose(4, 0.5, sizes=[4, 4, 0, 0]) == 2  # the best k packed

@@ -139,7 +139,7 @@ def test_engine_logprobs_are_bitwise_equal_batched_and_alone_with_the_kernel_onl
 
 def test_prefill_chunks_give_the_same_kv_and_logits():
     model = _model()
-    runner = ModelRunner(model, slots=2, max_len=128, attention="kernel")
+    runner = ModelRunner(model, slots=2, max_len=128, packed=True, attention="kernel")
     prompt = torch.randint(0, EOS, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     whole = runner.prefill([(0, prompt, 0)])
     runner.prefill([(1, prompt[:23], 0)])
@@ -159,3 +159,26 @@ def test_attention_knob_choices_and_errors():
         ModelRunner(bf16, slots=1, max_len=32, attention="kernel")
     with pytest.raises(ArborlError, match="auto, kernel or sdpa"):
         ModelRunner(model, slots=1, max_len=32, attention="flash")
+
+
+def test_packed_verify_gives_each_tree_what_it_gets_alone_and_what_decode_gives():
+    model = _model()
+    runner = ModelRunner(model, slots=3, max_len=128, packed=True, attention="kernel")  # packed: row-invariant GEMMs
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, EOS, (n,), generator=g).tolist() for n in (9, 17, 12)]
+
+    def fresh():
+        runner.prefill([(s, p, 0) for s, p in enumerate(prompts)])
+
+    trees = [(0, 9, [3, 7, 8, 9], [-1, 0, 1, 0]), (1, 17, [4], [-1]), (2, 12, [5, 6, 2], [-1, 0, 1])]
+    fresh()
+    together = runner.verify(trees)
+    assert runner.last_hidden.shape[:2] == (3, 4)
+    for i, t in enumerate(trees):
+        fresh()
+        alone = runner.verify([t])
+        assert torch.equal(alone[0, : len(t[2])], together[i, : len(t[2])])
+    # the chain 5 -> 6 -> 2 of slot 2, verified as a tree, is what decoding it token by token gives
+    fresh()
+    stepwise = [runner.decode([0, 0, tok], [0, 0, 12 + j])[2] for j, tok in enumerate([5, 6, 2])]
+    assert all(torch.equal(together[2, j], stepwise[j]) for j in range(3))

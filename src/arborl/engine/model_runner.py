@@ -162,6 +162,54 @@ class ModelRunner:
         [0, start)), node i > 0 hangs under ``parents[i]`` and sits at position start + its depth; its
         KV goes to slot position start + i. A node attends to the slot's [0, start) and to its own
         ancestors. Returns logits [len(items), max nodes, vocab] (padding rows are garbage)."""
+        if self.tree_kernel:
+            return self._verify_ragged(items)
+        return self._verify_padded(items)
+
+    def _verify_ragged(self, items: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+        """The kernel's verify: every sequence's nodes side by side in one row of tokens (no padding to
+        the widest tree, so a sequence without a draft costs one row), each node attending to [0, start)
+        then its chain of ancestors' slot positions."""
+        dev = self.device
+        ids, pos, slots, prefix, chains, rows, cols = [], [], [], [], [], [], []
+        for r, (slot, start, toks, parents) in enumerate(items):
+            chain: list[list[int]] = []
+            for i, p in enumerate(parents):
+                chain.append((chain[p] if p >= 0 else []) + [start + i])
+            chains += chain
+            ids += toks
+            pos += [start + len(c) - 1 for c in chain]
+            slots += [slot] * len(toks)
+            prefix += [start] * len(toks)
+            rows += [r] * len(toks)
+            cols += range(len(toks))
+        self.kv.ensure(max(start + len(t) for _, start, t, _ in items))
+        deepest = max(len(c) for c in chains)
+        extra = torch.tensor([c + [-1] * (deepest - len(c)) for c in chains], device=dev)
+        slots_t, prefix_t = torch.tensor(slots, device=dev), torch.tensor(prefix, device=dev)
+        kv_pos = torch.tensor([c[-1] for c in chains], device=dev)  # node i of a tree: slot position start + i
+
+        def make_attend(layer_idx: int):
+            kc, vc = self.kv.layer(layer_idx)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                kc[slots_t, :, kv_pos] = k[0].transpose(0, 1)
+                vc[slots_t, :, kv_pos] = v[0].transpose(0, 1)
+                out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, slots_t, prefix_t, extra, self.scaling)
+                return out.transpose(0, 1).unsqueeze(0)
+
+            return attend
+
+        h = self._hidden(torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), make_attend)[0]
+        logits = lm_logits(self.model, h, self.linear)
+        # the padded layout callers index: [sequence, node]
+        width = max(len(t) for _, _, t, _ in items)
+        at = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        self.last_hidden = h.new_empty(len(items), width, h.shape[-1]).index_put_(at, h)
+        return logits.new_empty(len(items), width, logits.shape[-1]).index_put_(at, logits)
+
+    def _verify_padded(self, items: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+        """SDPA's verify: the trees padded to the widest, one boolean mask for the ancestors."""
         b = len(items)
         width = max(len(t) for _, _, t, _ in items)
         length = max(start + len(t) for _, start, t, _ in items)
@@ -170,26 +218,17 @@ class ModelRunner:
         pos = torch.zeros(b, width, dtype=torch.long)
         mask = torch.zeros(b, 1, width, length, dtype=torch.bool)
         w_rows, w_cols, w_slots, w_pos = [], [], [], []
-        # the kernel's view of the same tree: row (r, i) attends to [0, start) then its chain of slot positions
-        row_slot = torch.zeros(b, width, dtype=torch.long)
-        prefix = torch.zeros(b, width, dtype=torch.long)
-        chains: list[list[int]] = []
         for r, (slot, start, toks, parents) in enumerate(items):
             n = len(toks)
             ids[r, :n] = torch.tensor(toks)
             depth = [0] * n
             anc = torch.zeros(n, n, dtype=torch.bool)
-            chain: list[list[int]] = []
             for i in range(n):
                 p = parents[i]
                 if p >= 0:
                     depth[i] = depth[p] + 1
                     anc[i] = anc[p]
                 anc[i, i] = True
-                chain.append((chain[p] if p >= 0 else []) + [start + i])
-            chains += chain + [[start]] * (width - n)  # padding rows: node 0's key, read and discarded
-            row_slot[r] = slot
-            prefix[r] = start
             pos[r, :n] = start + torch.tensor(depth)
             mask[r, 0, :, :start] = True  # padding rows see the prefix too (no all-masked row: NaN)
             mask[r, 0, :n, start : start + n] = anc
@@ -207,21 +246,12 @@ class ModelRunner:
         # running sequences fill slots 0..n-1 in order: a view then, not a gather
         slots = slice(0, b) if slot_ids == list(range(b)) else torch.tensor(slot_ids, device=dev)
 
-        deepest = max(len(c) for c in chains)
-        extra = torch.tensor([c + [-1] * (deepest - len(c)) for c in chains], device=dev)
-        row_slot, prefix = row_slot.view(-1).to(dev), prefix.view(-1).to(dev)
-
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 kc[w_slots_t, :, w_pos_t] = k[w_rows_t, :, w_cols_t]
                 vc[w_slots_t, :, w_pos_t] = v[w_rows_t, :, w_cols_t]
-                if self.tree_kernel:
-                    nq, hd = q.shape[1], q.shape[3]
-                    rows_q = q.transpose(1, 2).reshape(b * width, nq, hd)
-                    out = tree_kernel.tree_attention(rows_q, kc, vc, row_slot, prefix, extra, self.scaling)
-                    return out.view(b, width, nq, hd).transpose(1, 2)
                 return F.scaled_dot_product_attention(
                     q, kc[slots, :, :length], vc[slots, :, :length], attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
                 )

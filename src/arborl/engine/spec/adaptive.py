@@ -38,7 +38,7 @@ class VerifyProfile:
     positions: list[int]
     seconds: list[list[float]]  # [batch index][position index]
 
-    def cost(self, batch: int, n: int) -> float:
+    def cost(self, batch: int, n: float) -> float:
         per_b = [_interp(self.positions, self.seconds[i], n) for i in range(len(self.batches))]
         return _interp(self.batches, per_b, batch)
 
@@ -126,20 +126,26 @@ class AdaptiveLength:
         if seqs:
             self.accept_s_per_seq = _ema(self.accept_s_per_seq, seconds / seqs)
 
-    def tokens_per_s(self, batch: int, k: int, drafted: float = 1.0) -> float:
-        """Expected tokens per second with k draft positions when a share ``drafted`` of the batch has a draft."""
+    def tokens_per_s(self, batch: int, k: int, drafted: float = 1.0, sizes: list[int] | None = None) -> float:
+        """Expected tokens per second with k draft positions when a share ``drafted`` of the batch has a draft.
+        ``sizes``: the node counts of this step's drafts, for a verify that packs trees without padding
+        (the engine's kernel path): its cost is that of the mean positions per sequence, not k's."""
         assert self.profile is not None
         gain = 1.0 + drafted * sum(self.acceptance()[:k])
-        cost = self.profile.cost(batch, k * self.paths if k else 0)
+        positions = k * self.paths
+        if sizes and k:
+            positions = sum(min(n, positions) for n in sizes) / len(sizes)
+        cost = self.profile.cost(batch, positions)
         if k:
             cost += batch * (self.draft_s_per_seq + self.accept_s_per_seq)
         return batch * gain / cost
 
-    def choose(self, batch: int, drafted: float = 1.0) -> int:
+    def choose(self, batch: int, drafted: float = 1.0, sizes: list[int] | None = None) -> int:
         if not self.adaptive or self.profile is None or self.max_k == 0:
             return self.max_k
-        k = max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_s(batch, k, drafted), -k))
-        return k if self.tokens_per_s(batch, k, drafted) >= MIN_GAIN * self.tokens_per_s(batch, 0) else 0
+        rate = lambda k: self.tokens_per_s(batch, k, drafted, sizes)  # noqa: E731
+        k = max(range(1, self.max_k + 1), key=lambda k: (rate(k), -k))
+        return k if rate(k) >= MIN_GAIN * self.tokens_per_s(batch, 0) else 0
 
     def relax(self) -> None:
         self._seen = [n * RELAX for n in self._seen]

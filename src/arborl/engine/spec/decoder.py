@@ -46,6 +46,8 @@ class SpecDecoder:
         cfg = engine.config.spec
         self.config = cfg
         self.max_seq_len = engine.config.max_seq_len
+        # the runner's verify packs the trees without padding (its attention kernel): cost by actual rows
+        self.ragged = bool(getattr(engine.runner, "tree_kernel", False))
         self.drafter = drafter if drafter is not None else DRAFTERS.get(cfg.drafter)(engine)
         self.metrics = SpecMetrics()
         if profile is None and cfg.adaptive:
@@ -85,7 +87,8 @@ class SpecDecoder:
                 d = Draft()
             out.append(d)
         drafted = sum(1 for d in out if len(d))
-        asked, k = k, self.length.choose(len(batch), drafted / len(batch)) if drafted else 0
+        sizes = [len(d) for d in out] if self.ragged else None
+        asked, k = k, self.length.choose(len(batch), drafted / len(batch), sizes) if drafted else 0
         self.last_k = k
         if k == 0:
             return self._plain()
