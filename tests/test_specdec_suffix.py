@@ -107,7 +107,7 @@ def test_suffix_knobs_change_the_drafts():
     assert propose([0, 1, 2, 3], min_prob=0.6) == [4, 5]
     assert propose([0, 9, 2, 3], max_match=2) == [4, 5, 8]  # 2-token matches everywhere: the frequent path
     assert propose([0, 9, 2, 3]) == [4, 6, 7]  # the longest match (9 2 3) decides
-    assert propose([0, 2, 3], min_match=3) == []  # "2 3" is too short a match
+    assert propose([0, 2, 3], min_match=3, fallback_tokens=0) == []  # "2 3" is too short a match
     assert len(propose([0, 1, 2, 3], num_paths=3)) > 3  # a tree with the other continuations
 
 
@@ -125,3 +125,19 @@ def test_paired_tau_measures_every_variant_on_the_same_streams():
     tau = paired_tau(loaded, prompts, 2, params, stores, "g")
     assert tau["positions"] == 2 * 2 * 12  # every second of the 23 decode positions of 4 streams
     assert tau["group"] > tau["self"] + 0.2 and tau["group_multipath"] > tau["group"]
+
+
+def test_fallback_drafts_from_the_last_token_only_for_a_clear_favourite():
+    def propose(stream: list[int], **knobs) -> list[int]:
+        d = SuffixDrafter(SpecConfig(enabled=True, group_trees=False, min_match=2, **knobs), GroupStores(2))
+        s = seq(stream, "q")
+        d.sync(s)
+        return d.propose([s], 4)[0].tokens
+
+    clear = [4, 5, 1, 4, 5, 1, 4, 6, 3, 99, 4]  # "99 4" never occurred; 4 was followed by 5, 5, 6
+    assert propose(clear) == [5]  # one token (fallback_tokens=1), 5 has 2/3 of the votes
+    assert propose(clear, fallback_tokens=2) == [5, 1]  # "4 5" was followed by 1 twice: 2/3 x 1 >= 0.3
+    assert propose(clear, fallback_tokens=0) == []
+    split = [7, 10, 7, 11, 7, 12, 7, 13, 99, 7]  # 7 was followed by four tokens, 1/4 each
+    assert propose(split) == []
+    assert propose([4, 5, 1, 4, 5]) == [1, 4, 5]  # an ordinary 2-token match ("4 5"): k tokens, not 1

@@ -78,6 +78,13 @@ class SpecConfig(Section):
     num_paths: int = Field(1, ge=1, le=16, description="suffix drafter: candidate paths verified per sequence (top-k multi-path)")
     max_match: int = Field(16, ge=1, description="suffix drafter: longest context suffix matched (tokens)")
     min_match: int = Field(2, ge=1, description="suffix drafter: shortest context suffix that may propose a draft (tokens)")
+    fallback_tokens: int = Field(
+        1,
+        ge=0,
+        description="suffix drafter: where no min_match-token suffix matches, draft up to this many tokens from the "
+        "tokens that followed the context's last token (a single path, only when its continuation has >= 30% of the "
+        "votes); 0 = off. Needs min_match >= 2 (with 1 it is the ordinary match)",
+    )
     min_prob: float = Field(
         0.1, ge=0.0, le=1.0, description="suffix drafter: stop a path where its empirical probability falls below this"
     )

@@ -5,7 +5,11 @@ n-gram (n = ``min_match``) ends. To draft, the last n tokens of the context find
 occurrences; each occurrence's match is extended backwards (up to ``max_match`` tokens) and the
 occurrences with the longest match vote for what follows. The single path follows the most frequent
 next token while the path's empirical probability stays >= ``min_prob``; multi-path adds the most
-frequent other continuations (Seer's top-k paths), verified together as one tree.
+frequent other continuations (Seer's top-k paths), verified together as one tree. Where the last n
+tokens never occurred, ``fallback_tokens`` draft tokens may follow the last token alone (a 1-token
+match, single path, only for a clear favourite of the votes): rambling text at temperature 1 has no
+n-gram match on half its steps, and with the verify packing trees without padding one extra row is
+cheap.
 
 One store per GRPO group, shared by the engines of a process, is fed by every member as it decodes,
 so a member drafts from its siblings; a request without a group (or with ``group_trees`` off) drafts
@@ -23,6 +27,9 @@ from arborl.engine.spec.draft import Draft
 from arborl.engine.spec.drafter import DRAFTERS, EngineView
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram looked at per draft
+# a draft from a 1-token match (``fallback_tokens``) needs this share of the votes: such matches are
+# weak evidence, and the verify rows they cost are only worth it for a clear favourite
+FALLBACK_MIN_PROB = 0.3
 
 
 class TokenStore:
@@ -32,6 +39,8 @@ class TokenStore:
         self.n = n
         self.streams: dict[str, list[int]] = {}
         self.index: dict[tuple[int, ...], list[tuple[list[int], int]]] = {}
+        # where every single token ends (the fallback when the context's last n tokens never occurred)
+        self.unigrams: dict[int, list[tuple[list[int], int]]] = {}
         self.lock = threading.Lock()
 
     def extend(self, key: str, tokens: list[int]) -> None:
@@ -42,6 +51,16 @@ class TokenStore:
                 s.append(t)
                 if len(s) >= n:
                     self.index.setdefault(tuple(s[-n:]), []).append((s, len(s)))
+                if n > 1:
+                    self.unigrams.setdefault(t, []).append((s, len(s)))
+
+    def followers(self, token: int, k: int) -> list[list[int]]:
+        """The next (up to) ``k`` tokens after every recent occurrence of ``token`` (a 1-token match)."""
+        if self.n == 1:
+            return self.continuations([token], k, 1)
+        with self.lock:
+            occ = list(self.unigrams.get(token, ())[-MAX_OCCURRENCES:])
+        return [s[end : end + k] for s, end in reversed(occ) if end < len(s)]
 
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.streams.values())
@@ -161,8 +180,16 @@ class SuffixDrafter:
         c = self.config
         out = []
         for seq in seqs:
-            conts = self.store_of(seq).continuations(seq.tokens, k, c.max_match)
-            out.append(Draft.from_paths(draft_paths(conts, k, c.num_paths, c.min_prob)))
+            store = self.store_of(seq)
+            conts = store.continuations(seq.tokens, k, c.max_match)
+            if conts:
+                paths = draft_paths(conts, k, c.num_paths, c.min_prob)
+            elif c.fallback_tokens and seq.tokens:  # no min_match-token match: a short draft from the last token
+                fb = min(k, c.fallback_tokens)
+                paths = draft_paths(store.followers(seq.tokens[-1], fb), fb, 1, max(c.min_prob, FALLBACK_MIN_PROB))
+            else:
+                paths = []
+            out.append(Draft.from_paths(paths))
         return out
 
     def release(self, seq: Sequence) -> None:
