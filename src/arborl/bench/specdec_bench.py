@@ -42,7 +42,7 @@ from arborl.engine import LLMEngine
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sampling import log_probs
 from arborl.engine.spec import Draft
-from arborl.engine.spec.suffix import GroupStores, TokenStore, draft_paths
+from arborl.engine.spec.suffix import GroupStores, TokenStore, suffix_draft
 from arborl.engine.spec.verify import sampling_logprobs
 from arborl.models import LoadedModel, chat_token_ids, load_model, tiny_llama
 from arborl.sim import simulate
@@ -138,8 +138,7 @@ def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingPara
             if (n - start) % stride == 0:
                 positions += 1
                 for v, paths in variants.items():
-                    conts = (own if v.startswith("self") else grp).continuations(stream[:n], k, cfg.max_match)
-                    d = Draft.from_paths(draft_paths(conts, k, paths, cfg.min_prob))
+                    d = suffix_draft(own if v.startswith("self") else grp, stream[:n], k, cfg, paths)
                     drafts.append((v, len(tokens), d))
                     tokens += d.tokens
                     parents += [n - 1 if q < 0 else len(tokens) - len(d) + q for q in d.parents]
@@ -366,7 +365,7 @@ def run(quick: bool, console: Console) -> dict:
     sim = simulated_tail(min(acceptance, 0.95), [0] if quick else [0, 1, 2])
     console.print(f"  sim tails {sim['tail_s']}, Seer + spec reduction {sim['seer_full_tail_reduction']:.3f}")
 
-    reps = 1 if quick else 3
+    reps = 2 if quick else 3  # A B then B A: one round swung a row by 0.1-0.3
     tail = {}
     for b in (1, 2, 4):
         f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)

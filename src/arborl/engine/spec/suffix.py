@@ -152,6 +152,19 @@ def draft_paths(conts: list[list[int]], k: int, num_paths: int, min_prob: float)
     return paths
 
 
+def suffix_draft(store: TokenStore, context: list[int], k: int, config: SpecConfig, num_paths: int | None = None) -> Draft:
+    """The draft (up to ``k`` tokens deep) that ``store`` proposes after ``context``: from the longest
+    suffix match, else (``fallback_tokens``) a short single path from the context's last token."""
+    paths = config.num_paths if num_paths is None else num_paths
+    conts = store.continuations(context, k, config.max_match)
+    if conts:
+        return Draft.from_paths(draft_paths(conts, k, paths, config.min_prob))
+    if config.fallback_tokens and context:
+        fb = min(k, config.fallback_tokens)
+        return Draft.from_paths(draft_paths(store.followers(context[-1], fb), fb, 1, max(config.min_prob, FALLBACK_MIN_PROB)))
+    return Draft()
+
+
 class SuffixDrafter:
     def __init__(self, config: SpecConfig, groups: GroupStores | None = None) -> None:
         self.config = config
@@ -177,20 +190,7 @@ class SuffixDrafter:
             self._fed[rid] = len(toks)
 
     def propose(self, seqs: list[Sequence], k: int) -> list[Draft]:
-        c = self.config
-        out = []
-        for seq in seqs:
-            store = self.store_of(seq)
-            conts = store.continuations(seq.tokens, k, c.max_match)
-            if conts:
-                paths = draft_paths(conts, k, c.num_paths, c.min_prob)
-            elif c.fallback_tokens and seq.tokens:  # no min_match-token match: a short draft from the last token
-                fb = min(k, c.fallback_tokens)
-                paths = draft_paths(store.followers(seq.tokens[-1], fb), fb, 1, max(c.min_prob, FALLBACK_MIN_PROB))
-            else:
-                paths = []
-            out.append(Draft.from_paths(paths))
-        return out
+        return [suffix_draft(self.store_of(seq), seq.tokens, k, self.config) for seq in seqs]
 
     def release(self, seq: Sequence) -> None:
         self.sync(seq)
