@@ -106,6 +106,21 @@ def test_bad_inputs_are_clear_errors():
         tk.tree_attention(q.double(), kc, vc, ok["row_slot"], ok["prefix"], ok["extra"], 0.1)
 
 
+def test_new_kv_rows_are_written_before_any_row_attends():
+    kc, vc = _cache(slots=2, cap=32)
+    g = torch.Generator().manual_seed(7)
+    q, k_new, v_new = torch.randn(2, HQ, 64, generator=g), torch.randn(2, HKV, 64, generator=g), torch.randn(2, HKV, 64, generator=g)
+    # two nodes of one slot: node 2 (position 11) attends to node 1's key (position 10), written in the same call
+    rows, prefix, extra = torch.tensor([0, 0]), torch.tensor([10, 10]), torch.tensor([[10, -1], [10, 11]])
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[0, :, 10:12], ref_v[0, :, 10:12] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    expected = tk.tree_attention(q, ref_k, ref_v, rows, prefix, extra, 0.125)
+    got = tk.tree_attention(q, kc, vc, rows, prefix, extra, 0.125, (k_new, v_new, torch.tensor([10, 11])))
+    assert torch.equal(got, expected) and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    with pytest.raises(RuntimeError, match="outside capacity"):
+        tk.tree_attention(q, kc, vc, rows, prefix, extra, 0.125, (k_new, v_new, torch.tensor([10, 32])))
+
+
 def _model():
     return tiny_llama(layers=2, hidden=128, heads=2, kv_heads=1, vocab=VOCAB, seed=4)  # head_dim 64
 

@@ -99,12 +99,14 @@ class ModelRunner:
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                if self.tree_kernel:  # it writes each token's K/V at its position, then attends
+                    new_kv = (k[0].transpose(0, 1), v[0].transpose(0, 1), position_ids[0])
+                    out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, row_slot, row_keys, no_extra,
+                                                     self.scaling, new_kv)
+                    return out.transpose(0, 1).unsqueeze(0)
                 for slot, start, end, off in spans:
                     kc[slot, :, start:end] = k[0, :, off : off + end - start]
                     vc[slot, :, start:end] = v[0, :, off : off + end - start]
-                if self.tree_kernel:
-                    out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, row_slot, row_keys, no_extra, self.scaling)
-                    return out.transpose(0, 1).unsqueeze(0)
                 return torch.cat([
                     F.scaled_dot_product_attention(
                         q[:, :, off : off + end - start],
@@ -141,10 +143,11 @@ class ModelRunner:
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                if self.tree_kernel:  # writes the token's K/V at pos, attends to keys [0, pos) then pos itself
+                    new_kv = (k[:, :, 0], v[:, :, 0], pos)
+                    return tree_kernel.tree_attention(q[:, :, 0], kc, vc, rows, pos, own, self.scaling, new_kv).unsqueeze(2)
                 kc[rows, :, pos] = k[:, :, 0]
                 vc[rows, :, pos] = v[:, :, 0]
-                if self.tree_kernel:  # keys [0, pos) then pos itself
-                    return tree_kernel.tree_attention(q[:, :, 0], kc, vc, rows, pos, own, self.scaling).unsqueeze(2)
                 return F.scaled_dot_product_attention(
                     q, kc[:n, :, :length], vc[:n, :, :length], attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
                 )
@@ -193,9 +196,8 @@ class ModelRunner:
             kc, vc = self.kv.layer(layer_idx)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                kc[slots_t, :, kv_pos] = k[0].transpose(0, 1)
-                vc[slots_t, :, kv_pos] = v[0].transpose(0, 1)
-                out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, slots_t, prefix_t, extra, self.scaling)
+                new_kv = (k[0].transpose(0, 1), v[0].transpose(0, 1), kv_pos)
+                out = tree_kernel.tree_attention(q[0].transpose(0, 1), kc, vc, slots_t, prefix_t, extra, self.scaling, new_kv)
                 return out.transpose(0, 1).unsqueeze(0)
 
             return attend

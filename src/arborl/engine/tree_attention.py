@@ -71,10 +71,14 @@ def tree_attention(
     prefix: torch.Tensor,
     extra: torch.Tensor,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of query rows ``q`` [R, Hq, D] over the KV cache ``[slots, Hkv, capacity, D]``: row r
     attends to positions [0, prefix[r]) of slot row_slot[r], then to the positions ``extra[r]`` lists
-    (-1 = none) in that order. Returns [R, Hq, D]."""
+    (-1 = none) in that order. ``new_kv`` = (k [R, Hkv, D], v, write_pos [R]): each row's own K/V,
+    written to its slot at write_pos[r] before any row attends. Returns [R, Hq, D]."""
     if not available():
         raise ArborlError(f"the tree-attention kernel is unavailable: {build_error()}")
-    return torch.ops.arborl.tree_attention(q, k_cache, v_cache, row_slot, prefix, extra, scale)
+    k_new, v_new, write_pos = new_kv if new_kv is not None else (None, None, None)
+    return torch.ops.arborl.tree_attention(q, k_cache, v_cache, row_slot, prefix, extra, scale, k_new, v_new, write_pos)
+

@@ -123,9 +123,10 @@ void check(const at::Tensor& t, const char* name, int64_t dim, at::ScalarType dt
 // q [R, Hq, D]; k_cache, v_cache [slots, Hkv, capacity, D] (last two dims contiguous);
 // row_slot, prefix [R]; extra [R, E] slot positions attended after the prefix, -1 = none.
 // Returns [R, Hq, D].
-at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor v_cache,
                           const at::Tensor& row_slot_in, const at::Tensor& prefix_in, const at::Tensor& extra_in,
-                          double scale) {
+                          double scale, const c10::optional<at::Tensor>& k_new_in,
+                          const c10::optional<at::Tensor>& v_new_in, const c10::optional<at::Tensor>& write_pos_in) {
   check(q_in, "q", 3, at::kFloat);
   check(k_cache, "k_cache", 4, at::kFloat);
   check(v_cache, "v_cache", 4, at::kFloat);
@@ -156,6 +157,34 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
       keys += pos >= 0;
     }
     TORCH_CHECK(keys > 0, "tree_attention: row ", r, " attends to no key");
+  }
+  // each row's own K/V [R, Hkv, D] first, at (row_slot[r], write_pos[r]): decode's token, a prompt
+  // token, a draft node; rows write distinct positions, and every write lands before any row reads
+  if (k_new_in.has_value()) {
+    TORCH_CHECK(v_new_in.has_value() && write_pos_in.has_value(), "tree_attention: k_new needs v_new and write_pos");
+    const at::Tensor k_new = k_new_in->contiguous(), v_new = v_new_in->contiguous();
+    const at::Tensor write_pos = write_pos_in->to(at::kLong).contiguous();
+    check(k_new, "k_new", 3, at::kFloat);
+    check(v_new, "v_new", 3, at::kFloat);
+    TORCH_CHECK(k_new.size(0) == R && k_new.size(1) == Hkv && k_new.size(2) == D && v_new.sizes() == k_new.sizes(),
+                "tree_attention: k_new and v_new must be [", R, ", ", Hkv, ", ", D, "]");
+    TORCH_CHECK(write_pos.numel() == R, "tree_attention: write_pos must have one position per row");
+    const int64_t* wp = write_pos.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(wp[r] >= 0 && wp[r] < C, "tree_attention: row ", r, " writes position ", wp[r], " outside capacity ", C);
+    const float* kn = k_new.data_ptr<float>();
+    const float* vn = v_new.data_ptr<float>();
+    float* kw = k_cache.data_ptr<float>();
+    float* vw = v_cache.data_ptr<float>();
+    const int64_t ss = k_cache.stride(0), sh = k_cache.stride(1);
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const int64_t dst = slot_p[r] * ss + g * sh + wp[r] * D, src = (r * Hkv + g) * D;
+          std::memcpy(kw + dst, kn + src, D * sizeof(float));
+          std::memcpy(vw + dst, vn + src, D * sizeof(float));
+        }
+    });
   }
   at::Tensor out = at::empty({R, Hq, D}, q.options());
   const float* qd = q.data_ptr<float>();
@@ -207,10 +236,12 @@ at::Tensor tree_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   return out;
 }
 
+
 }  // namespace
 
 TORCH_LIBRARY(arborl, m) {
-  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor row_slot, Tensor prefix, Tensor extra, float scale) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor row_slot, Tensor prefix, Tensor extra, "
+        "float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? write_pos=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborl, CPU, m) {
