@@ -121,7 +121,8 @@ void check(const at::Tensor& t, const char* name, int64_t dim, at::ScalarType dt
 }
 
 // q [R, Hq, D]; k_cache, v_cache [slots, Hkv, capacity, D] (last two dims contiguous);
-// row_slot, prefix [R]; extra [R, E] slot positions attended after the prefix, -1 = none.
+// row_slot, prefix [R]; extra [R, E] slot positions attended after the prefix, -1 = none;
+// optionally k_new, v_new [R, Hkv, D] and write_pos [R]: each row's own K/V, written to its slot first.
 // Returns [R, Hq, D].
 at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor v_cache,
                           const at::Tensor& row_slot_in, const at::Tensor& prefix_in, const at::Tensor& extra_in,
