@@ -84,7 +84,8 @@ class ModelRunner:
             positions.append(pos)
             spans.append((slot, start, end, offset))
             # query at absolute position p sees keys 0..p (None: plain causal, faster kernel)
-            masks.append(None if start == 0 else (torch.arange(end, device=self.device)[None, :] <= pos[:, None]))
+            if not self.tree_kernel:  # SDPA's mask; the kernel takes each row's key count instead
+                masks.append(None if start == 0 else (torch.arange(end, device=self.device)[None, :] <= pos[:, None]))
             offset += n
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0)
@@ -136,8 +137,10 @@ class ModelRunner:
         length = int(max(positions)) + 1
         self.kv.ensure(length)
         rows = torch.arange(n, device=self.device)
-        mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        own = pos.unsqueeze(1)
+        if self.tree_kernel:
+            own = pos.unsqueeze(1)  # each row's keys: [0, pos) then pos itself
+        else:
+            mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
 
         def make_attend(layer_idx: int):
             kc, vc = self.kv.layer(layer_idx)
