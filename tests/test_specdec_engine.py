@@ -4,6 +4,8 @@ limits; the KV of rejected draft tokens is rolled back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers.spec_checks import assert_policy_logprobs
@@ -176,6 +178,33 @@ def test_stops_and_max_tokens_inside_an_accepted_draft():
         res = serve(eng, requests(params, n=1))[0]
         assert res.token_ids == want
         assert eng.spec.metrics.accepted_tokens > 0
+
+
+def test_drafts_end_at_a_stop_token():
+    """Nothing drafted after a stop token is verified (it could never be emitted): stop_token_ids, and
+    the engine's EOS unless ignore_eos."""
+    model = make_model()
+    ref = serve(make_engine(model, spec=False), requests(greedy(30), n=1))[0].token_ids
+    stop_tok = ref[9]
+    first = ref.index(stop_tok)
+    cases = ((greedy(30, stop_token_ids=[stop_tok]), EOS, True), (replace(greedy(30), ignore_eos=False), stop_tok, True),
+             (greedy(30), stop_tok, False))  # ignore_eos: EOS is an ordinary token, drafts go through it
+    for params, eos, cut in cases:
+        eng = make_engine(model, num_tokens=6, eos=eos)
+        eng.spec.drafter = ReplayDrafter({"r0": ref})
+        verified: list[tuple[list[int], list[int]]] = []
+        verify = eng.runner.verify
+
+        def recording(items, verify=verify, verified=verified):
+            verified.extend((toks, parents) for _, _, toks, parents in items)
+            return verify(items)
+
+        eng.runner.verify = recording
+        res = serve(eng, requests(params, n=1))[0]
+        assert res.token_ids == (ref[: first + 1] if cut else ref)
+        under_stop = [i for toks, parents in verified for i in range(1, len(toks)) if toks[parents[i]] == stop_tok]
+        assert (under_stop == []) == cut
+        assert any(stop_tok in toks[1:] for toks, _ in verified)  # the stop token itself is drafted
 
 
 def test_rejected_draft_kv_is_rolled_back():

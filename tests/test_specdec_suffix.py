@@ -55,6 +55,33 @@ def test_group_members_draft_from_siblings_and_self_only_does_not():
         assert d.propose([me], 3)[0].tokens == expect
 
 
+def test_a_shared_prompt_is_indexed_once_and_members_answers_outvote_its_example():
+    """Members of a group share their prompt: its n-grams are indexed for the first member only (the
+    match still extends back through every member's copy), so a worked example in the prompt counts
+    once while each member's own answer after the same words counts once per member."""
+    example = [5, 1, 2, 3, 7, 8]  # the prompt's worked example: after 1 2 3 comes 7 8
+    stores = GroupStores(4)
+    d = SuffixDrafter(SpecConfig(enabled=True, min_match=2), stores)
+    for m in range(3):  # three members answered 1 2 3 -> 9 9
+        s = seq(example, f"m{m}", "g")
+        s.output.extend([4, 1, 2, 3, 9, 9])
+        d.sync(s)
+        d.release(s)
+    me = seq(example, "me", "g")
+    me.output.extend([6, 1, 2, 3])
+    d.sync(me)
+    store = stores.get("g", 2)
+    assert len(store.index[(1, 2)]) == 1 + 3 + 1  # the prompt once, each answer, me
+    assert len(store.index[(8, 4)]) == 3  # where the members' streams leave the shared prompt
+    # the prompt (once) votes 7 8, the three members 9 9, at the same match length (3 tokens)
+    assert d.propose([me], 2)[0].tokens == [9, 9]
+    # every member's stream keeps its whole prompt: a match reaching back into it still extends
+    assert store.continuations(example + [4, 1, 2, 3], 2, 16) == [[9, 9]] * 3
+    # a stream with no prefix in common is indexed in full
+    store.extend("other", [2, 3, 7])
+    assert len(store.index[(2, 3)]) == 1 + 3 + 1 + 1
+
+
 def test_group_store_fed_concurrently_from_threads():
     """Several engines (threads) feed one group's store at once: every n-gram is indexed exactly once."""
     stores = GroupStores(4)

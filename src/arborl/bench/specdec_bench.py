@@ -86,18 +86,8 @@ def references(loaded: LoadedModel, prompts: list[list[int]], params: SamplingPa
     eng.generate([member(pr, p, m, f"{tag}{p}", params) for p, pr in enumerate(prompts) for m in range(G - 1)])
 
 
-def snapshot(stores: GroupStores) -> GroupStores:
-    """A copy of the group stores, so each measured variant sees the same references and no other's."""
-    out = GroupStores(stores.max_groups)
-    for gid, store in stores._stores.items():
-        copy = out.get(gid, store.n)
-        for rid, toks in store.streams.items():
-            copy.extend(rid, list(toks))
-    return out
-
-
 def tau(loaded: LoadedModel, prompts, measured: int, params: SamplingParams, stores: GroupStores, tag: str, **spec_kw) -> dict:
-    eng = engine(loaded, spec=True, stores=snapshot(stores), adaptive=False, num_tokens=6, **spec_kw)
+    eng = engine(loaded, spec=True, stores=stores.copy(), adaptive=False, num_tokens=6, **spec_kw)
     res = eng.generate([member(pr, p, G - 1 + j, f"{tag}{p}", params) for p, pr in enumerate(prompts) for j in range(measured)])
     st = eng.stats_dict()
     decoded = st["generated_tokens"] - len(res)  # the first token of each comes from its prefill
@@ -122,23 +112,23 @@ def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingPara
     plain = engine(loaded, spec=False)
     res = plain.generate([member(pr, p, G - 1 + j, f"{tag}{p}", params) for p, pr in enumerate(prompts) for j in range(measured)])
     runner = ModelRunner(loaded.model, slots=1, max_len=8192)
+    stop = frozenset(loaded.eos_token_ids)
     total = {v: 0.0 for v in variants}
     positions = 0
     for r in res:
         stream = r.prompt_token_ids + r.token_ids
-        own, grp = TokenStore(cfg.min_match), TokenStore(cfg.min_match)
-        for rid, toks in stores.get(r.request_id.split("/")[0], cfg.min_match).streams.items():
-            grp.extend(rid, list(toks))
+        own, grp = TokenStore(cfg.min_match), stores.get(r.request_id.split("/")[0], cfg.min_match).copy()
         start = len(r.prompt_token_ids) + 1  # the first token comes from the prefill, drafts start after it
-        own.extend("me", stream[:start])
-        grp.extend("me", stream[:start])
+        own.extend("me", stream[:start], len(r.prompt_token_ids))
+        grp.extend("me", stream[:start], len(r.prompt_token_ids))
         tokens, parents = list(stream), list(range(-1, len(stream) - 1))
         drafts: list[tuple[str, int, Draft]] = []  # variant, offset of its nodes, draft
         for n in range(start, len(stream)):
             if (n - start) % stride == 0:
                 positions += 1
                 for v, paths in variants.items():
-                    d = suffix_draft(own if v.startswith("self") else grp, stream[:n], k, cfg, paths)
+                    # as the engine's decoder: nothing after a stop token is drafted (it could not be emitted)
+                    d = suffix_draft(own if v.startswith("self") else grp, stream[:n], k, cfg, paths).ending_at(stop)
                     drafts.append((v, len(tokens), d))
                     tokens += d.tokens
                     parents += [n - 1 if q < 0 else len(tokens) - len(d) + q for q in d.parents]
@@ -171,7 +161,7 @@ def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, f
     sampled text: at temperature 1 a single member may ramble where no sibling has a match)."""
     # one engine, speculation switched on and off between runs: two engine instances (each with its own
     # prepacked weights and KV cache) decoded up to ~15% apart on this machine with no speculation at all
-    eng = engine(loaded, spec=True, stores=snapshot(stores), num_tokens=6)
+    eng = engine(loaded, spec=True, stores=stores.copy(), num_tokens=6)
     decoder = eng.spec
     # warm-up at this batch size first: the first forwards of a new shape pay one-time kernel set-up,
     # which would otherwise land on whichever mode is timed first
@@ -184,7 +174,7 @@ def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, f
         if fresh_groups:
             waves = [[member(pr, p, m, f"{tag}{rep}-{p}", params) for p, pr in enumerate(prompts) for m in range(G)][:batch]]
         else:
-            decoder.drafter.groups = snapshot(stores)
+            decoder.drafter.groups = stores.copy()
             # member i: prompt i mod P, seed by (rep, i) only, distinct from the references' (m < G)
             reqs = [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
                     for i in range(max(members, batch))]

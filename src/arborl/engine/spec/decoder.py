@@ -15,6 +15,7 @@ from arborl.engine.spec.adaptive import AdaptiveLength, VerifyProfile
 from arborl.engine.spec.draft import Draft
 from arborl.engine.spec.drafter import DRAFTERS, Drafter, EngineView
 from arborl.engine.spec.metrics import SpecMetrics
+from arborl.types import SamplingParams
 
 PROFILE_CONTEXT = 128  # tokens of context behind the profiled verify forwards
 
@@ -46,6 +47,7 @@ class SpecDecoder:
         cfg = engine.config.spec
         self.config = cfg
         self.max_seq_len = engine.config.max_seq_len
+        self.eos_token_ids = frozenset(engine.eos_token_ids)
         # the runner's verify packs the trees without padding (its attention kernel): cost by actual rows
         self.ragged = bool(getattr(engine.runner, "tree_kernel", False))
         self.drafter = drafter if drafter is not None else DRAFTERS.get(cfg.drafter)(engine)
@@ -82,7 +84,7 @@ class SpecDecoder:
             natural.append(d.depth())  # what the drafter had (<= k): positions past it hold nothing at any k
             p = seq.request.params
             depth = min(k, p.max_tokens - len(seq.output) - 1)  # tokens past max_tokens would be dropped
-            d = d.truncated(depth) if depth > 0 else Draft()
+            d = d.truncated(depth).ending_at(self.stop_tokens(p)) if depth > 0 else Draft()
             if len(seq.tokens) + len(d) > self.max_seq_len:
                 d = Draft()
             out.append(d)
@@ -95,6 +97,11 @@ class SpecDecoder:
         out = [d.truncated(k) for d in out]
         self._observed = {id(d): (k, depth, asked) for d, depth in zip(out, natural)}
         return out
+
+    def stop_tokens(self, params: SamplingParams) -> frozenset[int]:
+        """Tokens that end a sequence with ``params``: drafts stop there (nothing after them is emitted)."""
+        stop = frozenset(params.stop_token_ids)
+        return stop if params.ignore_eos else stop | self.eos_token_ids
 
     def _plain(self) -> None:
         self.metrics.plain_steps += 1

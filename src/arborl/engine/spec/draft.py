@@ -47,14 +47,23 @@ class Draft:
 
     def truncated(self, max_depth: int) -> "Draft":
         """The nodes at depth <= max_depth (parents stay before children, so indices only shrink)."""
-        keep: list[int] = []
         depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return self._kept([d <= max_depth for d in depths])
+
+    def ending_at(self, stop: set[int] | frozenset[int]) -> "Draft":
+        """Without the nodes under a ``stop`` token: a sequence ends there, so nothing drafted after it
+        could ever be emitted (the stop token itself stays: accepting it ends the sequence)."""
+        kept: list[bool] = []
+        for p in self.parents:
+            kept.append(p < 0 or (kept[p] and self.tokens[p] not in stop))
+        return self._kept(kept)
+
+    def _kept(self, kept: list[bool]) -> "Draft":
+        # parents come before children and a dropped node's children are dropped: indices only shrink
         remap: dict[int, int] = {}
-        for i, p in enumerate(self.parents):
-            depth = 1 if p < 0 else depths[p] + 1
-            depths.append(depth)
-            if depth <= max_depth:
-                remap[i] = len(keep)
-                keep.append(i)
-        return Draft([self.tokens[i] for i in keep],
-                     [-1 if self.parents[i] < 0 else remap[self.parents[i]] for i in keep])
+        for i, k in enumerate(kept):
+            if k:
+                remap[i] = len(remap)
+        return Draft([self.tokens[i] for i in remap], [-1 if self.parents[i] < 0 else remap[self.parents[i]] for i in remap])

@@ -24,6 +24,7 @@ class EngineView(Protocol):
     config: EngineConfig
     model: nn.Module
     runner: ModelRunner
+    eos_token_ids: set[int]
 
 
 class Drafter(Protocol):

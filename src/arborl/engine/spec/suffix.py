@@ -41,14 +41,39 @@ class TokenStore:
         self.index: dict[tuple[int, ...], list[tuple[list[int], int]]] = {}
         # where every single token ends (the fallback when the context's last n tokens never occurred)
         self.unigrams: dict[int, list[tuple[list[int], int]]] = {}
+        self.prompt_lens: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def extend(self, key: str, tokens: list[int]) -> None:
+    def copy(self) -> "TokenStore":
+        """A store with the same streams (and prompts), indexed anew."""
+        out = TokenStore(self.n)
+        with self.lock:
+            streams = [(key, list(s), self.prompt_lens.get(key, 0)) for key, s in self.streams.items()]
+        for key, s, plen in streams:
+            out.extend(key, s, plen)
+        return out
+
+    def extend(self, key: str, tokens: list[int], prompt_len: int = 0) -> None:
+        """Append ``tokens`` to stream ``key``; a new stream's first ``prompt_len`` tokens are its prompt.
+        The part of a prompt that repeats the start of a stream already held (the prompt a GRPO group's
+        members share, a multi-turn episode's earlier turns) is kept for matching but not indexed again:
+        there it would only repeat that stream's continuations, one vote per member, and outvote or
+        crowd out the members' own answers. Outputs are always indexed: members that sampled the same
+        words are that many votes for them."""
         n = self.n
         with self.lock:
-            s = self.streams.setdefault(key, [])
+            s = self.streams.get(key)
+            known = 0
+            if s is None:
+                if prompt_len:
+                    head = tokens[:prompt_len]
+                    known = max((common_prefix(o, head) for o in self.streams.values()), default=0)
+                self.prompt_lens[key] = prompt_len
+                s = self.streams[key] = []
             for t in tokens:
                 s.append(t)
+                if len(s) < known:  # the same token follows here in the stream that holds this start
+                    continue
                 if len(s) >= n:
                     self.index.setdefault(tuple(s[-n:]), []).append((s, len(s)))
                 if n > 1:
@@ -87,6 +112,19 @@ class TokenStore:
         return conts
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (binary search on slice equality: the
+    comparisons run in C, a prompt of thousands of tokens costs microseconds)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class GroupStores:
     """One ``TokenStore`` per GRPO group, least recently used dropped past ``max_groups``."""
 
@@ -104,6 +142,15 @@ class GroupStores:
             while len(self._stores) > self.max_groups:
                 self._stores.popitem(last=False)
             return store
+
+    def copy(self) -> "GroupStores":
+        """Copies of every group's store (each indexed anew), in the same order."""
+        out = GroupStores(self.max_groups)
+        with self._lock:
+            items = list(self._stores.items())
+        for gid, store in items:
+            out._stores[gid] = store.copy()
+        return out
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -186,7 +233,7 @@ class SuffixDrafter:
         fed = self._fed.get(rid, 0)
         toks = seq.tokens
         if fed < len(toks):
-            self.store_of(seq).extend(rid, toks[fed:])
+            self.store_of(seq).extend(rid, toks[fed:], len(seq.request.prompt_token_ids))
             self._fed[rid] = len(toks)
 
     def propose(self, seqs: list[Sequence], k: int) -> list[Draft]:
