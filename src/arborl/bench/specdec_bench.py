@@ -355,14 +355,14 @@ def run(quick: bool, console: Console) -> dict:
     sim = simulated_tail(min(acceptance, 0.95), [0] if quick else [0, 1, 2])
     console.print(f"  sim tails {sim['tail_s']}, Seer + spec reduction {sim['seer_full_tail_reduction']:.3f}")
 
-    reps = 2 if quick else 3  # A B then B A: one round swung a row by 0.1-0.3
+    reps = 3  # A B, B A, A B, each round other members (seeds): one round swung a row by 0.1-0.3
     tail = {}
     for b in (1, 2, 4):
         f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)
         console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
     b32_params = replace(params, max_tokens=32) if quick else params
-    # two rounds even when quick (A B then B A): one round's ratio swung 0.86-1.05 with spec never on
-    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 2, b32_params, stores, "b32-", fresh_groups=True)
+    # three rounds even when quick (A B, B A, A B): one round's ratio swung 0.86-1.05 with spec never on
+    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 3, b32_params, stores, "b32-", fresh_groups=True)
     console.print(f"  batch 32: {b32['spec_tps']:.1f} vs {b32['plain_tps']:.1f} tok/s = {b32['ratio']:.2f}x "
                   f"(verify / plain steps {b32['verify_steps']} / {b32['plain_steps']})")
 

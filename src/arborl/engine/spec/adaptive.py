@@ -48,24 +48,54 @@ class VerifyProfile:
     @classmethod
     def load(cls, path: str | Path) -> "VerifyProfile":
         d = json.loads(Path(path).read_text())
-        return cls(list(d["batches"]), list(d["positions"]), [list(r) for r in d["seconds"]])
+        return cls(list(d["batches"]), list(d["positions"]), monotone([list(r) for r in d["seconds"]]))
 
     @classmethod
-    def measure(cls, run: Callable[[int, int], None], batches: list[int], positions: list[int], repeats: int = 3) -> "VerifyProfile":
-        """Time ``run(B, n)`` (best of ``repeats`` after one warm-up) on the grid."""
-        seconds = []
-        for b in batches:
-            row = []
-            for n in positions:
-                run(b, n)
-                best = float("inf")
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    run(b, n)
-                    best = min(best, time.perf_counter() - t0)
-                row.append(best)
-            seconds.append(row)
-        return cls(list(batches), list(positions), seconds)
+    def measure(cls, run: Callable[[int, int], None], batches: list[int], positions: list[int], rounds: int = 5) -> "VerifyProfile":
+        """Time ``run(B, n)`` on the grid: one warm-up pass, then ``rounds`` passes over the whole grid,
+        the fastest per cell, made monotone. Passes over the grid, not repeats of one cell: a busy
+        spell of the machine then slows a cell in one pass, not in all its timings. (Best of 3
+        consecutive timings per cell gave T(2, 0) = 75 ms above T(4, 0) = 64 ms, and the rule turned
+        speculation off at batch 4 and on at batch 3 of the same text.)"""
+        cells = [(i, j) for i in range(len(batches)) for j in range(len(positions))]
+        for i, j in cells:
+            run(batches[i], positions[j])
+        seconds = [[float("inf")] * len(positions) for _ in batches]
+        for _ in range(rounds):
+            for i, j in cells:
+                t0 = time.perf_counter()
+                run(batches[i], positions[j])
+                seconds[i][j] = min(seconds[i][j], time.perf_counter() - t0)
+        return cls(list(batches), list(positions), monotone(seconds))
+
+
+def monotone(seconds: list[list[float]]) -> list[list[float]]:
+    """The table made non-decreasing along both axes (more sequences or more positions never cost
+    less) by pooling adjacent violators, row- and column-wise until both hold: a cell that timing
+    noise put above its larger neighbour is averaged with it, not copied up or down the table."""
+    t = [list(r) for r in seconds]
+    for _ in range(100):  # alternating passes converge; a handful is typical
+        if _sorted(t) and _sorted([list(c) for c in zip(*t)]):
+            break
+        t = [_pav(r) for r in t]
+        t = [list(r) for r in zip(*[_pav(list(c)) for c in zip(*t)])]
+    return t
+
+
+def _sorted(rows: list[list[float]]) -> bool:
+    return all(a <= b + 1e-12 for r in rows for a, b in zip(r, r[1:]))
+
+
+def _pav(ys: list[float]) -> list[float]:
+    """Isotonic (non-decreasing) least-squares fit of ``ys`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def _ema(old: float, new: float) -> float:
