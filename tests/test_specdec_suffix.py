@@ -80,6 +80,12 @@ def test_a_shared_prompt_is_indexed_once_and_members_answers_outvote_its_example
     # a stream with no prefix in common is indexed in full
     store.extend("other", [2, 3, 7])
     assert len(store.index[(2, 3)]) == 1 + 3 + 1 + 1
+    # a multi-turn episode: turn 2's prompt holds turn 1 (prompt, answer) and an observation
+    turns = TokenStore(n=2)
+    turns.extend("t1", [1, 2, 3, 4], prompt_len=2)
+    turns.extend("t2", [1, 2, 3, 4, 9, 8, 7], prompt_len=6)
+    assert len(turns.index[(1, 2)]) == 1 and len(turns.index[(2, 3)]) == 1  # turn 1 once
+    assert len(turns.index[(3, 4)]) == 2 and turns.continuations([3, 4], 2, 16) == [[9, 8]]  # where they part
 
 
 def test_group_store_fed_concurrently_from_threads():
