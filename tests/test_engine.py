@@ -9,7 +9,6 @@ import torch
 
 from arborl.config import EngineConfig
 from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
-from arborl.engine.sampling import draw
 from arborl.models import tiny_llama
 from arborl.types import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
 
@@ -200,23 +199,6 @@ def test_sampling_seed_is_independent_of_batch():
     assert alone.token_ids == crowd.token_ids
     # temperature 1 without truncation: the sampling distribution is the raw policy
     assert torch.allclose(torch.tensor(alone.sample_logprobs), torch.tensor(alone.logprobs), atol=1e-5)
-
-
-def test_draw_follows_the_weights_and_never_draws_a_zero_weight():
-    """The sampler's draw (inverse CDF, float64): frequencies within 5 sigma of the weights (not
-    normalised), zero weights never drawn, a generator's seed gives the same draws."""
-    w = torch.tensor([0.0, 3.0, 0.0, 0.5, 1e-3, 2.0, 0.0, 1.5])
-    g = torch.Generator().manual_seed(0)
-    n = 20000
-    counts = torch.bincount(torch.stack([draw(w, g) for _ in range(n)]), minlength=len(w)).double()
-    p = (w / w.sum()).double()
-    assert (counts[p == 0] == 0).all()
-    assert ((counts - n * p).abs() <= 5 * (n * p * (1 - p)).sqrt() + 1).all()
-    one = torch.zeros(49152)
-    one[-1] = 1e-30  # a single (tiny) positive weight at the very end: always that one
-    assert {int(draw(one, g)) for _ in range(20)} == {49151}
-    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert [int(draw(w, a)) for _ in range(50)] == [int(draw(w, b)) for _ in range(50)]
 
 
 def test_temperature_and_truncation_logprobs():

@@ -31,20 +31,6 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index drawn with probability proportional to ``weights`` [vocab] (>= 0, not all 0), as a
-    0-d tensor: inverse CDF, one uniform from ``generator``. The cumulative sum is float64: in float32
-    a token below ~3e-8 next to a running sum near 1 adds nothing and could never be drawn. (Gumbel-max,
-    what this replaces, drew one exponential per vocabulary entry: 1.5 ms per row at 49k tokens on
-    2 CPU cores, where this takes 0.2 ms; ``sample`` of 32 such rows went from 63.5 to 19.7 ms.)"""
-    cdf = torch.cumsum(weights, 0, dtype=torch.float64)
-    total = cdf[-1:]
-    u = torch.rand(1, dtype=torch.float64, device=weights.device, generator=generator)
-    i = torch.searchsorted(cdf, u * total, right=True)  # the first entry whose cdf passes u: weight > 0
-    # u * total rounding up to total: the first entry that reaches the total, i.e. the last positive one
-    return torch.minimum(i, torch.searchsorted(cdf, total))[0]
-
-
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p nucleus to -inf. top_k=0 and top_p=1 are no-ops."""
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
@@ -81,9 +67,10 @@ def sample(
         if bool((top_k > 0).any() or (top_p < 1).any()):
             scaled = _truncate(scaled, top_k, top_p)
         dist = log_probs(scaled)
-        probs = dist.exp()
-        for j, i in enumerate(todo):  # each row from its own generator
-            tokens[i] = draw(probs[j], generators[i])
+        # Gumbel-max with per-row generators: argmax(log p - log E), E ~ Exp(1), is a draw from p.
+        for j, i in enumerate(todo):
+            e = torch.empty(dist.shape[-1], device=device).exponential_(generator=generators[i])
+            tokens[i] = torch.argmax(dist[j] - torch.log(e))
         sample_lp[idx] = dist[torch.arange(len(todo), device=device), tokens[idx]]
     return SampleOutput(
         tokens=tokens.tolist(),

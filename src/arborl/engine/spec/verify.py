@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborl.engine.sampling import _truncate, draw, log_probs
+from arborl.engine.sampling import _truncate, log_probs
 from arborl.engine.spec.draft import Draft
 from arborl.types import SamplingParams
 
@@ -39,6 +39,12 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         top_p = torch.full((n,), params.top_p, device=logits.device)
         scaled = _truncate(scaled, top_k, top_p)
     return log_probs(scaled)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    # Gumbel-max as in sample(): argmax(log p - log E), E ~ Exp(1)
+    e = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
+    return int(torch.argmax(torch.log(probs) - torch.log(e)))
 
 
 def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator) -> Accepted:
@@ -71,7 +77,7 @@ def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator
                     break
                 p = p.clone()
                 p[d] = 0.0  # max(0, p - onehot(d)); the remaining mass is renormalised by the next test
-            tok = draft.tokens[nxt - 1] if nxt >= 0 else int(draw(p, generator))
+            tok = draft.tokens[nxt - 1] if nxt >= 0 else _draw(p / p.sum(), generator)
             slp = float(dist[row, tok])
         out.tokens.append(tok)
         out.logprobs.append(float(raw[row, tok]))
