@@ -40,6 +40,9 @@ def test_multipath_top_k_tree():
     d = Draft.from_paths(paths)
     assert d.tokens == [4, 5, 6, 7, 7, 8, 1, 1] and d.parents == [-1, 0, 1, 0, 3, -1, 5, 6]
     assert d.depth() == 3 and len(d.truncated(1)) == 2 and d.truncated(2).parents == [-1, 0, 0, -1, 3]
+    cut = d.ending_at({5})  # 5 ends the sequence: its child 6 goes, the sibling path 4 7 7 stays
+    assert cut.tokens == [4, 5, 7, 7, 8, 1, 1] and cut.parents == [-1, 0, 0, 2, -1, 4, 5]
+    assert d.ending_at({9}) is d and d.ending_at({8}).tokens == [4, 5, 6, 7, 7, 8]
 
 
 def test_group_members_draft_from_siblings_and_self_only_does_not():

@@ -81,4 +81,3 @@ def tree_attention(
         raise ArborlError(f"the tree-attention kernel is unavailable: {build_error()}")
     k_new, v_new, write_pos = new_kv if new_kv is not None else (None, None, None)
     return torch.ops.arborl.tree_attention(q, k_cache, v_cache, row_slot, prefix, extra, scale, k_new, v_new, write_pos)
-

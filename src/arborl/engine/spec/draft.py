@@ -55,6 +55,8 @@ class Draft:
     def ending_at(self, stop: set[int] | frozenset[int]) -> "Draft":
         """Without the nodes under a ``stop`` token: a sequence ends there, so nothing drafted after it
         could ever be emitted (the stop token itself stays: accepting it ends the sequence)."""
+        if not any(t in stop for t in self.tokens):
+            return self  # the common case: nothing to cut, no copy
         kept: list[bool] = []
         for p in self.parents:
             kept.append(p < 0 or (kept[p] and self.tokens[p] not in stop))
