@@ -185,6 +185,16 @@ class EngineConfig(Section):
         description="on CPU with float32 weights, run the projections through oneDNN from weights reordered once per "
         "weight update (faster decode; one extra copy of the Linear weights in memory)",
     )
+    cpu_row_kernel_max_rows: int = Field(
+        256,
+        ge=0,
+        description="with cpu_packed_weights, forwards of up to this many token rows run arborl's row kernel "
+        "(engine/csrc/row_linear.cpp) instead of oneDNN: it reads each weight once for all rows where oneDNN re-reads it "
+        "per 3-4 rows (a verify step of 2-6 rows then costs what a decode step of one does), and a row's result does "
+        "not depend on the other rows, so decode, draft-verify and prefill chunks agree bitwise where they meet. The "
+        "default covers every decode and verify step at max_batch_size 32; longer prefills run oneDNN, faster there. "
+        "0 = oneDNN only. Costs one more copy of the Linear weights",
+    )
     attention: Literal["auto", "kernel", "sdpa"] = Field(
         "auto",
         description="decode and draft-verify attention: kernel = arborl's C++ kernel (engine/csrc, built on first use "

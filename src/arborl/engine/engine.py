@@ -88,7 +88,7 @@ class LLMEngine:
         self.version = version
         self.runner = ModelRunner(
             model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights,
-            attention=config.attention,
+            row_kernel_max_rows=config.cpu_row_kernel_max_rows, attention=config.attention,
         )
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
         self._rng = torch.Generator().manual_seed(seed)

@@ -19,7 +19,8 @@ from arborl.types import ArborlError
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, *, slots: int, max_len: int, packed: bool = False, attention: str = "auto"
+        self, model: nn.Module, *, slots: int, max_len: int, packed: bool = False, attention: str = "auto",
+        row_kernel_max_rows: int = 0,
     ) -> None:
         shape = DecoderShape.of(model, max_len)
         self.model = model
@@ -40,7 +41,7 @@ class ModelRunner:
         )
         self.last_hidden: torch.Tensor | None = None  # hidden states (before the final norm) of the last forward
         # prepacked CPU weights (engine.cpu_packed_weights); None: the model's own Linear modules
-        self.linear = PackedLinears(model) if packed and packing_available(model) else None
+        self.linear = PackedLinears(model, row_kernel_max_rows) if packed and packing_available(model) else None
         # the lean forward over those packed weights where the model is a plain Llama-layout decoder
         self.packed_forward = (PackedForward(model, self.linear)
                                if self.linear is not None and PackedForward.supports(model, self.linear) else None)

@@ -11,8 +11,12 @@ relative), like any other GEMM kernel choice. The trainer's forward never uses t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from arborl.engine.row_linear import row_kernel_available, row_linear, to_panels
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32
@@ -27,6 +31,16 @@ def _plain(m: nn.Module) -> bool:
     return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
+class PackedWeight(NamedTuple):
+    """One packed projection (or side-by-side group): oneDNN's reordered weight, the bias, each member's
+    out_features, and the row kernel's panels (None where it is off)."""
+
+    onednn: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: list[int]
+    panels: torch.Tensor | None
+
+
 # projections that read the same input, fused into one GEMM (fewer, larger GEMMs pay at decode row counts)
 _FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
@@ -34,18 +48,20 @@ _FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "
 class PackedLinears:
     """``(modules, x) -> each module(x)`` from oneDNN-reordered copies of the plain float32 ``nn.Linear``
     weights of ``model``; a decoder layer's q/k/v and gate/up are packed side by side and run as one
-    GEMM each. Other modules (quantised, adapters) run as they are."""
+    GEMM each. Other modules (quantised, adapters) run as they are. Up to ``row_kernel_max_rows`` rows
+    run arborl's row kernel (``engine.row_linear``) instead of oneDNN (0: never)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, row_kernel_max_rows: int = 0) -> None:
         self.model = model
-        self._packed: dict[tuple[nn.Module, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
+        self.row_kernel_max_rows = row_kernel_max_rows if row_kernel_max_rows > 0 and row_kernel_available() else 0
+        self._packed: dict[tuple[nn.Module, ...], PackedWeight] = {}
         self.refresh()
 
     def __len__(self) -> int:
         return len(self._packed)
 
-    def packed_groups(self) -> dict[tuple[nn.Module, ...], tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
-        """modules packed together -> (reordered weight, bias, each module's out_features); current weights."""
+    def packed_groups(self) -> dict[tuple[nn.Module, ...], PackedWeight]:
+        """modules packed together -> their ``PackedWeight``; current weights."""
         return self._packed
 
     @torch.no_grad()
@@ -63,14 +79,24 @@ class PackedLinears:
         groups += [(m,) for m in self.model.modules() if _plain(m) and m not in fused]
         self._packed = {mods: self._pack(mods) for mods in groups}
 
-    @staticmethod
-    def _pack(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _pack(self, mods: tuple[nn.Module, ...]) -> PackedWeight:
         weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
         bias = None
         if any(m.bias is not None for m in mods):
             bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                               for m in mods])
-        return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT), bias, [m.out_features for m in mods]
+        panels = to_panels(weight) if self.row_kernel_max_rows else None
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT), bias,
+                            [m.out_features for m in mods], panels)
+
+    def linear(self, packed: PackedWeight, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + x @ W.T + bias`` for flat rows x [rows, in]: the row kernel up to
+        ``row_kernel_max_rows`` rows, oneDNN above (its ``add`` post-op for the residual)."""
+        if packed.panels is not None and x.shape[0] <= self.row_kernel_max_rows:
+            return row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual)
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed.onednn, packed.bias, "add")
 
     def __call__(self, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         packed = self._packed.get(mods)
@@ -78,8 +104,6 @@ class PackedLinears:
             if len(mods) > 1:  # not packed together: each on its own
                 return tuple(self((m,), x)[0] for m in mods)
             return (mods[0](x),)
-        w, bias, sizes = packed
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, w, bias, "none", [], "")
-        outs = out.split(sizes, dim=-1) if len(sizes) > 1 else (out,)
+        out = self.linear(packed, x.reshape(-1, x.shape[-1]))
+        outs = out.split(packed.sizes, dim=-1) if len(packed.sizes) > 1 else (out,)
         return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)

@@ -75,29 +75,20 @@ class PackedForward:
         h = h.view(b * s, width)
         half = hd // 2
         packed = self.linears.packed_groups()
+        linear = self.linears.linear
         for i, layer in enumerate(decoder.layers):
             qkv_k, o_k, gu_k, down_k = self._keys[i]
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             x = F.rms_norm(h, (width,), ln1.weight, ln1.variance_epsilon)
-            qkv = _linear(x, packed[qkv_k])
+            qkv = linear(packed[qkv_k], x)
             qk = qkv[:, : (nq + nkv) * hd].view(b, s, nq + nkv, hd).transpose(1, 2)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
             v = qkv[:, (nq + nkv) * hd :].view(b, s, nkv, hd).transpose(1, 2)
             out = make_attend(i)(qk[:, :nq], qk[:, nq:], v)
-            h = _linear_add(out.transpose(1, 2).reshape(b * s, nq * hd), packed[o_k], h)
+            h = linear(packed[o_k], out.transpose(1, 2).reshape(b * s, nq * hd), h)
             x = F.rms_norm(h, (width,), ln2.weight, ln2.variance_epsilon)
-            gate_up = _linear(x, packed[gu_k])
+            gate_up = linear(packed[gu_k], x)
             inner = gate_up.shape[-1] // 2
-            h = _linear_add(F.silu(gate_up[:, :inner]).mul_(gate_up[:, inner:]), packed[down_k], h)
+            h = linear(packed[down_k], F.silu(gate_up[:, :inner]).mul_(gate_up[:, inner:]), h)
         return h.view(b, s, width)
 
-
-def _linear(x: torch.Tensor, packed: tuple) -> torch.Tensor:
-    w, bias, _ = packed
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-
-def _linear_add(x: torch.Tensor, packed: tuple, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ W.T (+ bias), the add done by oneDNN on the GEMM's output."""
-    w, bias, _ = packed
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, bias, "add")

@@ -10,57 +10,12 @@ query heads). ``engine.attention`` picks it ("auto": when it builds and the cach
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
-from pathlib import Path
-
 import torch
 
+from arborl.engine.cpu_kernels import available, build_error
 from arborl.types import ArborlError
 
-log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "tree_attention.cpp"
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
-def _cpu_tag() -> str:
-    """The build uses -march=native: one build per CPU feature set (a shared home across machines)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = os.uname().machine
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
-
-
-def available() -> bool:
-    """Build (once per process; the compiled library is cached on disk) and load the kernel.
-    False, with the reason logged and kept in ``build_error()``, where it cannot be built."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                from torch.utils import cpp_extension
-
-                cpp_extension.load(
-                    name=f"arborl_tree_attention_{_cpu_tag()}",
-                    sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-                _state["ok"] = True
-            except Exception as exc:  # no compiler / ninja / headers: the engine keeps SDPA
-                _state["ok"] = False
-                _state["error"] = f"{type(exc).__name__}: {exc}"
-                log.warning("engine.attention: the tree-attention kernel did not build (%s); using SDPA", exc)
-        return bool(_state["ok"])
-
-
-def build_error() -> str | None:
-    return _state.get("error")  # type: ignore[return-value]
+__all__ = ["available", "build_error", "tree_attention"]
 
 
 def tree_attention(

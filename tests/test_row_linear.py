@@ -1,0 +1,111 @@
+"""The row kernel (engine/csrc/row_linear.cpp, engine.cpu_row_kernel_max_rows): the projection it
+computes, a row's result independent of the other rows, its errors, and the knob that routes a
+forward's rows to it or to oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborl.config import EngineConfig
+from arborl.engine import LLMEngine
+from arborl.engine.model_runner import ModelRunner
+from arborl.engine.row_linear import row_kernel_available, row_linear, to_panels
+from arborl.models import tiny_llama
+from arborl.types import GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.skipif(not row_kernel_available(), reason="arborl's CPU kernels did not build")
+
+
+@pytest.mark.parametrize("n_out,k", [(16, 8), (37, 61), (576, 576), (40, 1536)])
+def test_row_linear_is_the_projection_with_bias_and_residual(n_out, k):
+    g = torch.Generator().manual_seed(n_out + k)
+    w, b = torch.randn(n_out, k, generator=g), torch.randn(n_out, generator=g)
+    panels = to_panels(w)
+    assert panels.shape == (-(-n_out // 16), k, 16)
+    for m in (1, 5, 6, 7, 13, 30):  # one register block, several, and a ragged last block
+        x, res = torch.randn(m, k, generator=g), torch.randn(m, n_out, generator=g)
+        want = res.double() + x.double() @ w.double().T + b.double()
+        got = row_linear(x, panels, n_out, b, res)
+        assert got.shape == (m, n_out)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * k**0.5)
+        plain = x.double() @ w.double().T
+        assert torch.allclose(row_linear(x, panels, n_out).double(), plain, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_a_rows_result_is_bitwise_the_same_whatever_the_other_rows():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 700, generator=g)  # K > one 256-wide chunk: several blocks resume chunk by chunk
+    panels = to_panels(w)
+    x = torch.randn(24, 700, generator=g)
+    alone = torch.cat([row_linear(x[i : i + 1], panels, 300) for i in range(24)])
+    for m in (2, 6, 7, 12, 24):
+        assert torch.equal(row_linear(x[:m], panels, 300), alone[:m])
+    assert torch.equal(row_linear(x.flip(0), panels, 300).flip(0), alone)
+
+
+def test_bad_shapes_are_refused_with_what_to_fix():
+    panels = to_panels(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
+        row_linear(torch.randn(2, 9), panels, 32)
+    with pytest.raises(RuntimeError, match="2 panels cannot hold 40 outputs"):
+        row_linear(torch.randn(2, 8), panels, 40)
+    with pytest.raises(RuntimeError, match="residual must be float32 \\[2, 32\\]"):
+        row_linear(torch.randn(2, 8), panels, 32, None, torch.randn(3, 32))
+    with pytest.raises(RuntimeError, match="bias must hold 32 floats"):
+        row_linear(torch.randn(2, 8), panels, 32, torch.randn(31))
+    with pytest.raises(RuntimeError, match="2-d float32 CPU tensor"):
+        row_linear(torch.randn(2, 8, dtype=torch.float64), panels, 32)
+    assert row_linear(torch.randn(0, 8), panels, 32).shape == (0, 32)
+
+
+def _model():
+    return tiny_llama(layers=2, hidden=64, vocab=512, heads=4, kv_heads=2, seed=0)
+
+
+def test_the_knob_routes_up_to_max_rows_to_the_kernel_and_larger_forwards_to_onednn(monkeypatch):
+    import arborl.engine.packed as packed
+
+    rows_seen: list[int] = []
+
+    def spy(x, *rest):
+        rows_seen.append(x.shape[0])
+        return row_linear(x, *rest)
+
+    monkeypatch.setattr(packed, "row_linear", spy)
+
+    def calls(fn) -> int:
+        rows_seen.clear()
+        fn()
+        return len(rows_seen)
+
+    model = _model()
+    on = ModelRunner(model, slots=4, max_len=64, packed=True, row_kernel_max_rows=3)
+    off = ModelRunner(model, slots=4, max_len=64, packed=True, row_kernel_max_rows=0)
+    assert all(p.panels is not None for p in on.linear.packed_groups().values())
+    assert all(p.panels is None for p in off.linear.packed_groups().values())  # no second copy of the weights
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    for r in (on, off):
+        r.prefill([(s, p, 0) for s, p in enumerate(prompts)])
+    layers = len(model.model.layers)
+    per_forward = 4 * layers + 1  # q|k|v, o, gate|up, down per layer; the LM head
+    assert calls(lambda: on.decode([1, 2, 3], [4, 3, 5])) == per_forward  # 3 rows: the kernel
+    assert calls(lambda: off.decode([1, 2, 3], [4, 3, 5])) == 0
+    assert calls(lambda: on.decode([1, 2, 3, 4], [5, 4, 6, 2])) == 0  # 4 rows: oneDNN
+    off.decode([1, 2, 3, 4], [5, 4, 6, 2])
+    # both paths compute the same projections (to rounding)
+    a = on.decode([7, 8, 9], [6, 5, 7])
+    b = off.decode([7, 8, 9], [6, 5, 7])
+    assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_with_the_kernel_a_sequences_log_probs_do_not_depend_on_its_batch():
+    model = _model()
+    cfg = EngineConfig(max_seq_len=64, max_batch_size=4, cpu_row_kernel_max_rows=24)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [9, 3]]
+    batched = LLMEngine(model, cfg, eos_token_ids=[511]).generate([GenerateRequest(p, params) for p in prompts])
+    for p, r in zip(prompts, batched):
+        alone = LLMEngine(model, cfg, eos_token_ids=[511]).generate([GenerateRequest(p, params)])[0]
+        assert alone.token_ids == r.token_ids and alone.logprobs == r.logprobs  # bitwise
