@@ -414,7 +414,24 @@ def test_top_p_one_rows_are_not_truncated_in_mixed_batches():
 
     logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(0)) * 8
     plain = SamplingParams(temperature=1.0)
-    alone = sample(logits[:1], [plain], [torch.Generator().manual_seed(1)])
-    mixed = sample(logits, [plain, SamplingParams(top_p=0.5)], [torch.Generator().manual_seed(1), torch.Generator()])
+    alone = sample(logits[:1], [plain], [1], [7])
+    mixed = sample(logits, [plain, SamplingParams(top_p=0.5)], [1, 2], [7, 7])
     assert mixed.tokens[0] == alone.tokens[0]
     assert mixed.sample_logprobs[0] == alone.sample_logprobs[0]
+
+
+def test_keyed_draws_follow_the_distribution_and_never_draw_a_token_without_mass():
+    from arborl.engine.sampling import draw, log_probs, position_uniform
+
+    p = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])
+    dist = torch.log(p)  # -inf where there is no mass
+    assert [draw(dist, [u]).item() for u in (0.0, 0.49, 0.51, 0.79, 0.81)] == [1, 1, 3, 3, 4]
+    assert draw(dist, [1.0 - 2.0**-53]).item() == 4  # u * total rounding up to total: the last token with mass
+    us = [position_uniform(seed, 17) for seed in range(20000)]
+    assert 0.0 <= min(us) and max(us) < 1.0
+    counts = torch.bincount(draw(dist.expand(len(us), -1), us), minlength=6).double() / len(us)
+    assert torch.allclose(counts, p[0].double(), atol=0.015)
+    # a request's uniform depends on its seed and the position only, and differs from position to position
+    assert position_uniform(3, 5) == position_uniform(3, 5) != position_uniform(3, 6) != position_uniform(4, 5)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert draw(log_probs(logits), [0.2, 0.2, 0.9]).shape == (3,)

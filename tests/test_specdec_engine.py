@@ -277,3 +277,29 @@ def test_draft_model_drafter_greedy_sampled_and_weight_update():
                                                                 greedy(30 - before), request_id="c")])[0]
     assert res.token_ids[before:] == cont.token_ids
     assert eng.spec.metrics.accepted_tokens == eng.spec.metrics.draft_tokens  # the drafter follows the new weights
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=24, ignore_eos=True),
+], ids=["t1", "truncated"])
+def test_sampled_speculation_emits_the_tokens_plain_sampling_emits_with_the_same_seed(params):
+    """Position-keyed draws (sampling.position_uniform): speculation changes how many forwards a text
+    takes, never the text. Drafts are the plain texts with a wrong token every third step (and decoy
+    siblings for multi-path), so steps accept all, part and none of a draft."""
+    model = make_model()
+    reqs = lambda: [GenerateRequest(prompt(i, 12 + i), replace(params, seed=50 + i), request_id=f"r{i}")
+                    for i in range(4)]
+    plain = serve(make_engine(model, spec=False), reqs())
+    assert len({tuple(r.token_ids) for r in plain}) == 4
+    for paths in (1, 3):
+        eng = make_engine(model, num_tokens=5, num_paths=paths)
+        eng.spec.drafter = ReplayDrafter({r.request_id: r.token_ids for r in plain}, paths)
+        assert_same(plain, serve(eng, reqs()))
+        m = eng.spec.metrics
+        assert m.drafts > 0 and 0 < m.accepted_tokens < m.draft_tokens
+    # and a draft that is never right leaves the text alone too
+    eng = make_engine(model, num_tokens=3)
+    eng.spec.drafter = ReplayDrafter({r.request_id: [(t + 1) % EOS for t in r.token_ids] for r in plain})
+    assert_same(plain, serve(eng, reqs()))
+    assert eng.spec.metrics.drafts > 0

@@ -214,10 +214,13 @@ def exactness(loaded, prompts, stores) -> dict:
     sampled = SamplingParams(temperature=1.0, max_tokens=48)
     res = spec_eng.generate([member(pr, p, 2, f"x{p}", sampled) for p, pr in enumerate(prompts)])
     sampled_diff = max(_replay_diff(engine(loaded, spec=False), r) for r in res)
+    # position-keyed draws: the plain engine, given the same seeds, samples those very texts
+    plain_sampled = engine(loaded, spec=False).generate([member(pr, p, 2, f"x{p}", sampled) for p, pr in enumerate(prompts)])
+    sampled_identical = all(a.token_ids == b.token_ids for a, b in zip(plain_sampled, res))
     # the floor: the plain engine against itself, its batched log-probs vs the same tokens replayed alone
     # (its attention's rounding depends on the batch: see docs, speculative decoding, exactness)
     plain_floor = max(_replay_diff(engine(loaded, spec=False), r) for r in plain)
-    return {"greedy_identical": identical, "plain_batch_logprob_max_abs_diff": plain_floor, "greedy_logprob_max_abs_diff": diff, "sampled_logprob_max_abs_diff": sampled_diff,
+    return {"greedy_identical": identical, "sampled_identical": sampled_identical, "plain_batch_logprob_max_abs_diff": plain_floor, "greedy_logprob_max_abs_diff": diff, "sampled_logprob_max_abs_diff": sampled_diff,
             "logprob_max_abs_diff": max(diff, sampled_diff),
             "accepted_tokens": spec_eng.stats_dict()["spec_accepted_tokens"]}
 
@@ -360,7 +363,7 @@ def run(quick: bool, console: Console) -> dict:
     for b in (1, 2, 4):
         f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)
         console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
-    b32_params = replace(params, max_tokens=32) if quick else params
+    b32_params = params  # 64 tokens even when quick: at 32 one round was ~1 s of decoding, its ratio 0.93-1.07 with spec never on
     # three rounds even when quick (A B, B A, A B): one round's ratio swung 0.86-1.05 with spec never on
     b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 3, b32_params, stores, "b32-", fresh_groups=True)
     console.print(f"  batch 32: {b32['spec_tps']:.1f} vs {b32['plain_tps']:.1f} tok/s = {b32['ratio']:.2f}x "
@@ -385,6 +388,7 @@ def run(quick: bool, console: Console) -> dict:
              (f"mtp tau, last 3 of {MTP_STEPS} RL steps (tiny model): online / frozen",
               f"{mtp_tau['online']:.3f} / {mtp_tau['frozen']:.3f}"),
              ("greedy tokens identical", str(ex["greedy_identical"])),
+             ("sampled tokens identical to plain sampling, same seeds", str(ex["sampled_identical"])),
              ("max |log-prob - plain|", f"{ex['logprob_max_abs_diff']:.2e}"),
              ("max |log-prob| plain batched vs plain alone (floor)", f"{ex['plain_batch_logprob_max_abs_diff']:.2e}"),
              ("sampled tokens chi-square p (tiny model)", f"{dist['sampled_dist_pvalue']:.3f}"),
@@ -418,6 +422,7 @@ def run(quick: bool, console: Console) -> dict:
         "tail_decode_speedup_by_batch": {b: f["ratio"] for b, f in tail.items()},
         "batch32_ratio": b32["ratio"],
         "greedy_identical": ex["greedy_identical"],
+        "sampled_identical": ex["sampled_identical"],
         "logprob_max_abs_diff": ex["logprob_max_abs_diff"],
         "greedy_logprob_max_abs_diff": ex["greedy_logprob_max_abs_diff"],
         "sampled_logprob_max_abs_diff": ex["sampled_logprob_max_abs_diff"],

@@ -110,8 +110,7 @@ class LLMEngine:
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        seq = Sequence(request=request, generator=gen, arrival=self._arrivals, on_token=on_token)
+        seq = Sequence(request=request, seed=seed, arrival=self._arrivals, on_token=on_token)
         self._arrivals += 1
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
         self._by_id[request.request_id] = seq
@@ -329,7 +328,7 @@ class LLMEngine:
         results, hidden = [], []
         t_walk = time.perf_counter()
         for r, (seq, d, start) in enumerate(zip(batch, drafts, starts)):
-            acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.generator)
+            acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.seed, seq.next_position)
             # the accepted path's KV moves to consecutive positions; anything past it is rolled back
             self.runner.kv.copy_positions(seq.slot, [start + 1 + n for n in acc.nodes],
                                           [start + 1 + j for j in range(len(acc.nodes))])
@@ -360,7 +359,7 @@ class LLMEngine:
         self.spec.observe(batch, hidden)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
-        out = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        out = sample(logits, [s.request.params for s in seqs], [s.seed for s in seqs], [s.next_position for s in seqs])
         for i, seq in enumerate(seqs):
             tok = out.tokens[i]
             seq.append(tok, out.logprobs[i], out.sample_logprobs[i], self.version)

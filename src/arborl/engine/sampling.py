@@ -4,8 +4,12 @@ For every sampled token we return two log-probabilities:
   * raw:     log softmax(logits)[token]              -- the temperature-1 policy the trainer recomputes;
   * sampled: log of the token's probability under the distribution it was drawn from
              (logits / T, then top-k / top-p truncation and renormalisation; 0.0 for greedy).
-Each row draws from its own ``torch.Generator`` so a seeded request gives the same tokens whatever
-else shares its batch.
+
+The token at position t of a request seeded s is the inverse-CDF draw of one uniform that is a hash
+of (s, t) alone (``position_uniform``). So a seeded request gives the same tokens whatever else shares
+its batch, and whether or not its tokens came through speculative decoding: the acceptance walk draws
+each position's token with that position's uniform and accepts the draft token only if it is that
+token (``spec/verify.py``), so speculation changes how fast a text comes out, never which text.
 """
 
 from __future__ import annotations
@@ -47,10 +51,33 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> SampleOutput:
-    """Sample one token per row of ``logits`` [n, vocab] (float32 on any device)."""
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws the token at ``position`` (its index in prompt + output) of a
+    request seeded ``seed``: splitmix64's finaliser over the pair, 53 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def draw(dist: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """One token per row of log-probabilities ``dist`` [n, vocab]: the first whose cumulative
+    probability (float64) exceeds u * total, for that row's uniform u. Tokens of zero mass are never
+    drawn."""
+    cdf = torch.cumsum(dist.exp().double(), dim=-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.tensor(uniforms, dtype=torch.float64, device=dist.device).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the last token with mass (u * total may round up to total)
+    return torch.minimum(idx, last).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SampleOutput:
+    """Sample one token per row of ``logits`` [n, vocab] (float32 on any device); row i's token is the
+    one at ``positions[i]`` of a request seeded ``seeds[i]``."""
     logits = logits.float()
     n = logits.shape[0]
     device = logits.device
@@ -67,10 +94,7 @@ def sample(
         if bool((top_k > 0).any() or (top_p < 1).any()):
             scaled = _truncate(scaled, top_k, top_p)
         dist = log_probs(scaled)
-        # Gumbel-max with per-row generators: argmax(log p - log E), E ~ Exp(1), is a draw from p.
-        for j, i in enumerate(todo):
-            e = torch.empty(dist.shape[-1], device=device).exponential_(generator=generators[i])
-            tokens[i] = torch.argmax(dist[j] - torch.log(e))
+        tokens[idx] = draw(dist, [position_uniform(seeds[i], positions[i]) for i in todo])
         sample_lp[idx] = dist[torch.arange(len(todo), device=device), tokens[idx]]
     return SampleOutput(
         tokens=tokens.tolist(),

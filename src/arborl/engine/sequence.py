@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from arborl.types import FinishReason, GenerateRequest, GenerateResult
 
 
@@ -21,7 +19,7 @@ class SeqState(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request: GenerateRequest
-    generator: torch.Generator
+    seed: int  # the request's sampling seed: position t's token is drawn by sampling.position_uniform(seed, t)
     arrival: int  # admission order among equal priorities
     submitted_at: float = field(default_factory=time.perf_counter)
     state: SeqState = SeqState.WAITING
@@ -45,6 +43,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_token_ids + self.output
+
+    @property
+    def next_position(self) -> int:
+        """Index in ``tokens`` of the token to be sampled next."""
+        return len(self.request.prompt_token_ids) + len(self.output)
 
     def sort_key(self) -> tuple[int, int]:
         return (-self.request.priority, self.arrival)
