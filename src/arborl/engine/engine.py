@@ -26,7 +26,7 @@ from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
 from arborl.engine.sequence import Sequence, SeqState
 from arborl.engine.spec import Draft, SpecDecoder
-from arborl.engine.spec.verify import accept
+from arborl.engine.spec.verify import accept_all
 from arborl.prefix import RadixTree
 from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
 
@@ -327,8 +327,9 @@ class LLMEngine:
         )
         results, hidden = [], []
         t_walk = time.perf_counter()
-        for r, (seq, d, start) in enumerate(zip(batch, drafts, starts)):
-            acc = accept(logits[r, : 1 + len(d)], d, seq.request.params, seq.seed, seq.next_position)
+        walks = accept_all(logits, drafts, [s.request.params for s in batch], [s.seed for s in batch],
+                           [s.next_position for s in batch])
+        for r, (seq, d, start, acc) in enumerate(zip(batch, drafts, starts, walks)):
             # the accepted path's KV moves to consecutive positions; anything past it is rolled back
             self.runner.kv.copy_positions(seq.slot, [start + 1 + n for n in acc.nodes],
                                           [start + 1 + j for j in range(len(acc.nodes))])

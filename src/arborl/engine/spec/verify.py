@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborl.engine.sampling import _truncate, draw, log_probs, position_uniform
+from arborl.engine.sampling import _truncate, log_probs, sample
 from arborl.engine.spec.draft import Draft
 from arborl.types import SamplingParams
 
@@ -41,32 +41,41 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return log_probs(scaled)
 
 
-def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, seed: int, position: int) -> Accepted:
-    """Walk ``draft`` (node i's logits are row i + 1 of ``logits`` [1 + len(draft), vocab]; row 0 is
-    the root's, whose token goes to ``position``) and return the tokens it accepts plus the policy's
-    next token, for a request seeded ``seed``."""
-    logits = logits.float()
-    raw = log_probs(logits)
-    children: dict[int, list[int]] = {}
-    depth = [0] * (1 + len(draft))
-    for i, p in enumerate(draft.parents):
-        children.setdefault(p + 1, []).append(i + 1)  # rows: root 0, node i -> i + 1
-        depth[i + 1] = depth[p + 1] + 1
-    if params.greedy:
-        chosen = torch.argmax(logits, dim=-1).tolist()
-        dist = None
-    else:  # every row's draw at once (a row's token depends on its own distribution and position only)
-        dist = sampling_logprobs(logits, params)
-        chosen = draw(dist, [position_uniform(seed, position + d) for d in depth]).tolist()
-    out = Accepted([], [], [], [])
-    row = 0
-    while True:
-        tok = chosen[row]
-        nxt = next((c for c in children.get(row, []) if draft.tokens[c - 1] == tok), -1)
-        out.tokens.append(tok)
-        out.logprobs.append(float(raw[row, tok]))
-        out.sample_logprobs.append(0.0 if dist is None else float(dist[row, tok]))
-        if nxt < 0:
-            return out
-        out.nodes.append(nxt - 1)
-        row = nxt
+def accept_all(logits: torch.Tensor, drafts: list[Draft], params: list[SamplingParams], seeds: list[int],
+               positions: list[int]) -> list[Accepted]:
+    """Walk every sequence's draft at once: sequence r's root row is ``logits[r, 0]`` (its token goes to
+    ``positions[r]``) and node i's row ``logits[r, i + 1]``. Every row's token is drawn in one batched
+    ``sample`` (the rows of one step, as plain decoding samples a batch), then each walk is a lookup."""
+    at_r, at_c, row_params, row_seeds, row_pos, starts = [], [], [], [], [], []
+    for r, d in enumerate(drafts):
+        depth = [0] * (1 + len(d))
+        for i, p in enumerate(d.parents):
+            depth[i + 1] = depth[p + 1] + 1
+        starts.append(len(at_r))
+        at_r += [r] * len(depth)
+        at_c += range(len(depth))
+        row_params += [params[r]] * len(depth)
+        row_seeds += [seeds[r]] * len(depth)
+        row_pos += [positions[r] + x for x in depth]
+    rows = logits[torch.tensor(at_r, device=logits.device), torch.tensor(at_c, device=logits.device)]
+    drawn = sample(rows, row_params, row_seeds, row_pos)
+    out = []
+    for d, base in zip(drafts, starts):
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(d.parents):
+            children.setdefault(p + 1, []).append(i + 1)  # rows: root 0, node i -> i + 1
+        acc = Accepted([], [], [], [])
+        row = 0
+        while True:
+            tok = drawn.tokens[base + row]
+            nxt = next((c for c in children.get(row, []) if d.tokens[c - 1] == tok), -1)
+            acc.tokens.append(tok)
+            acc.logprobs.append(drawn.logprobs[base + row])
+            acc.sample_logprobs.append(drawn.sample_logprobs[base + row])
+            if nxt < 0:
+                break
+            acc.nodes.append(nxt - 1)
+            row = nxt
+        out.append(acc)
+    return out
+
