@@ -9,8 +9,9 @@ import torch
 
 from arborl.config import EngineConfig
 from arborl.engine import LLMEngine
+from arborl.engine.cpu_kernels import available as row_kernel_available
 from arborl.engine.model_runner import ModelRunner
-from arborl.engine.row_linear import row_kernel_available, row_linear, to_panels
+from arborl.engine.row_linear import row_linear, to_panels
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 
@@ -64,7 +65,7 @@ def _model():
 
 
 def test_the_knob_routes_up_to_max_rows_to_the_kernel_and_larger_forwards_to_onednn(monkeypatch):
-    import arborl.engine.packed as packed
+    from arborl.engine import packed
 
     rows_seen: list[int] = []
 

@@ -363,9 +363,9 @@ def run(quick: bool, console: Console) -> dict:
     for b in (1, 2, 4):
         f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)
         console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
-    b32_params = params  # 64 tokens even when quick: at 32 one round was ~1 s of decoding, its ratio 0.93-1.07 with spec never on
-    # three rounds even when quick (A B, B A, A B): one round's ratio swung 0.86-1.05 with spec never on
-    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 3, b32_params, stores, "b32-", fresh_groups=True)
+    # three rounds of the full max_tokens even when quick: one round's ratio swung 0.86-1.05 with spec never on, and
+    # at 32 tokens a round was ~1 s of decoding
+    b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 3, params, stores, "b32-", fresh_groups=True)
     console.print(f"  batch 32: {b32['spec_tps']:.1f} vs {b32['plain_tps']:.1f} tok/s = {b32['ratio']:.2f}x "
                   f"(verify / plain steps {b32['verify_steps']} / {b32['plain_steps']})")
 

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from arborl.engine.row_linear import row_kernel_available, row_linear, to_panels
+from arborl.engine.cpu_kernels import available as row_kernel_available
+from arborl.engine.row_linear import row_linear, to_panels
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32

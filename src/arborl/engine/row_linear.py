@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arborl.engine.cpu_kernels import available
-
 PANEL = 16  # output columns per panel: two AVX2 registers
 
 
@@ -30,7 +28,3 @@ def row_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Te
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + x @ W.T + bias`` for x [rows, in] with W given as ``to_panels(W)``; [rows, n_out]."""
     return torch.ops.arborl.row_linear(x, panels, n_out, bias, residual)
-
-
-def row_kernel_available() -> bool:
-    return available()

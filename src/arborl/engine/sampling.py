@@ -75,6 +75,18 @@ def draw(dist: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return torch.minimum(idx, last).squeeze(-1)
 
 
+def sampling_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """log p of the distribution each row is sampled from (``logits[i] / T``, then top-k / top-p
+    truncation), for rows of float32 logits [n, vocab] with one non-greedy ``params`` per row."""
+    device = logits.device
+    scaled = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(-1)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        scaled = _truncate(scaled, top_k, top_p)
+    return log_probs(scaled)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SampleOutput:
     """Sample one token per row of ``logits`` [n, vocab] (float32 on any device); row i's token is the
     one at ``positions[i]`` of a request seeded ``seeds[i]``."""
@@ -87,13 +99,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     todo = [i for i, p in enumerate(params) if not p.greedy]
     if todo:
         idx = torch.tensor(todo, device=device)
-        sub = [params[i] for i in todo]
-        scaled = logits[idx] / torch.tensor([p.temperature for p in sub], device=device).unsqueeze(-1)
-        top_k = torch.tensor([p.top_k for p in sub], device=device)
-        top_p = torch.tensor([p.top_p for p in sub], device=device)
-        if bool((top_k > 0).any() or (top_p < 1).any()):
-            scaled = _truncate(scaled, top_k, top_p)
-        dist = log_probs(scaled)
+        dist = sampling_log_probs(logits[idx], [params[i] for i in todo])
         tokens[idx] = draw(dist, [position_uniform(seeds[i], positions[i]) for i in todo])
         sample_lp[idx] = dist[torch.arange(len(todo), device=device), tokens[idx]]
     return SampleOutput(

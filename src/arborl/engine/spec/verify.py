@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborl.engine.sampling import _truncate, log_probs, sample
+from arborl.engine.sampling import sample, sampling_log_probs
 from arborl.engine.spec.draft import Draft
 from arborl.types import SamplingParams
 
@@ -32,13 +32,7 @@ class Accepted:
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """log p of the sampling distribution for rows of one request's logits [n, vocab] (as sample())."""
-    scaled = logits / params.temperature
-    if params.top_k > 0 or params.top_p < 1:
-        n = scaled.shape[0]
-        top_k = torch.full((n,), params.top_k, device=logits.device)
-        top_p = torch.full((n,), params.top_p, device=logits.device)
-        scaled = _truncate(scaled, top_k, top_p)
-    return log_probs(scaled)
+    return sampling_log_probs(logits.float(), [params] * logits.shape[0])
 
 
 def accept_all(logits: torch.Tensor, drafts: list[Draft], params: list[SamplingParams], seeds: list[int],
