@@ -364,6 +364,28 @@ def test_sandbox_uids_pool_gives_each_live_workspace_its_own_uid(tmp_path):
     assert sorted(ids) == ["70000", "70001"] and str(c_uid) == ids[0]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid pool is used as root only")
+def test_runtimes_with_different_roots_never_hand_out_the_same_uid(tmp_path):
+    # the uids are the host's: a second runtime (another job, another worker) with its own root_dir
+    # must not reuse a uid the first holds, or closing one sandbox kills the other's processes
+    a_rt = _rt(tmp_path, root_dir=str(tmp_path / "root-a"), sandbox_uid_base=70100, sandbox_uids=2)
+    b_rt = _rt(tmp_path, root_dir=str(tmp_path / "root-b"), sandbox_uid_base=70100, sandbox_uids=3)
+    tpl = _template(tmp_path)
+
+    async def go():
+        held = [await a_rt.prepare(tpl, episode_id=f"a{i}") for i in range(2)]
+        b = await b_rt.prepare(tpl, episode_id="b")
+        with pytest.raises(InfraError, match="sandbox_uids"):
+            await b_rt.prepare(tpl, episode_id="b2")
+        uids = sorted(ws.extra["uid"] for ws in held) + [b.extra["uid"]]
+        for ws in held:
+            await a_rt.close(ws)
+        await b_rt.close(b)
+        return uids
+
+    assert run(go()) == [70100, 70101, 70102]
+
+
 def test_copy_mode_cp_and_copy_make_the_same_workspace(tmp_path):
     tpl = _template(tmp_path)
     (tpl / "link").symlink_to("/etc/passwd")

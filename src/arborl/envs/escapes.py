@@ -21,9 +21,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from arborl.envs.base import Runtime, Workspace
 from arborl.envs.workspace import tree_bytes
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -133,7 +136,7 @@ def grep(path, depth=0, budget=None):
 """
 
 
-async def _while_evaluating(ctx: EscapeContext, attempt: Callable[[], Awaitable[str]]) -> str:
+async def _while_evaluating(ctx: EscapeContext, attempt: Callable[[], Awaitable[T]]) -> T:
     """Run ``attempt`` while another episode's evaluation (hidden tests in place) is running."""
     other = await _ws(ctx, "evaluated")
     ev = asyncio.ensure_future(ctx.runtime.evaluate(other, ctx.hidden, ["sleep", "3"], timeout_s=10))
@@ -164,11 +167,12 @@ for pid in pids:
 print("pids", len([p for p in os.listdir("/proc") if p.isdigit()]), "found", found)
 """
     try:
-        out = await _while_evaluating(
-            ctx, lambda: _run_text(ctx, ws, ["python3", "-c", src, *_halves(ctx.hidden_marker)]))
+        r = await _while_evaluating(ctx, lambda: ctx.runtime.run(ws, ["python3", "-c", src, *_halves(ctx.hidden_marker)]))
     finally:
         await ctx.runtime.close(ws)
-    return Outcome("hidden_tests_via_proc", "found []" not in out, out[-300:])
+    out = r.stdout + r.stderr
+    # a scan that never reported is counted as a way out: it cannot show that none was found
+    return Outcome("hidden_tests_via_proc", "found []" not in out, f"exit {r.returncode}, killed {r.killed}: {out[-300:]}")
 
 
 def _halves(marker: str) -> list[str]:

@@ -53,7 +53,7 @@ class HostRuntime:
         self.limits = limits_of(self.cfg)
         self.root = Path(self.cfg.root_dir).expanduser().resolve()
         self.is_root = os.geteuid() == 0
-        self.uids = UidPool(self.root / ".uids", self.cfg.sandbox_uid_base, self.cfg.sandbox_uids)
+        self.uids = UidPool(self.cfg.sandbox_uid_base, self.cfg.sandbox_uids)
         self._live: dict[str, Workspace] = {}
         self._pending: set[str] = set()  # ids being prepared
 

@@ -2,8 +2,10 @@
 
 RLIMIT_NPROC counts the processes of one real uid and does not bind root, so as root every workspace's
 commands run as their own uid (``setpriv`` inside the sandbox): a fork bomb hits its own cap and no one
-else's. A uid is held by an ``flock`` on ``<lock_dir>/<uid>.lock`` until released, so runtimes in
-several processes (rollout workers) never share one.
+else's. A uid is held by an ``flock`` on ``<lock_dir>/<uid>.lock`` until released. The uids belong to
+the host, so the lock directory does too (``host_lock_dir``), whatever each runtime's ``root_dir``:
+runtimes in several processes (rollout workers, two jobs on one machine) never share one. Two sandboxes
+on one uid would share a process cap, and closing one kills every process of its uid.
 """
 
 from __future__ import annotations
@@ -11,14 +13,22 @@ from __future__ import annotations
 import fcntl
 import os
 import random
+import tempfile
 from pathlib import Path
 
 from arborl.envs.base import InfraError
 
 
+def host_lock_dir() -> Path:
+    """One directory per host for the pool's locks: ``/run`` (root's, cleared at boot) where it exists."""
+    run = Path("/run")
+    base = run if run.is_dir() and os.access(run, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"arborl-sandbox-uids-{os.geteuid()}"
+
+
 class UidPool:
-    def __init__(self, lock_dir: Path, base: int, size: int) -> None:
-        self.lock_dir, self.base, self.size = lock_dir, base, size
+    def __init__(self, base: int, size: int, lock_dir: Path | None = None) -> None:
+        self.lock_dir, self.base, self.size = lock_dir or host_lock_dir(), base, size
         self._held: dict[int, int] = {}  # uid -> lock fd
 
     def acquire(self) -> int:
