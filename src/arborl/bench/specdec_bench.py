@@ -37,11 +37,13 @@ from rich.console import Console
 from rich.table import Table
 
 from arborl.bench.scheduling_bench import SEER_WORKLOAD
+from arborl.bench.specdec_ceiling import RULES, free_rows, position_table, replay
 from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sampling import log_probs
 from arborl.engine.spec import Draft
+from arborl.engine.spec.adaptive import VerifyProfile
 from arborl.engine.spec.suffix import GroupStores, TokenStore, suffix_draft
 from arborl.engine.spec.verify import sampling_logprobs
 from arborl.models import LoadedModel, chat_token_ids, load_model, tiny_llama
@@ -198,6 +200,25 @@ def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, f
     return {"spec_tps": sum(a) / reps, "plain_tps": sum(b) / reps, "ratio": sum(a) / sum(b), "rounds": rounds,
             "tau": st["spec_mean_acceptance_length"], "verify_steps": st["spec_verify_steps"],
             "plain_steps": st["spec_plain_steps"]}
+
+
+def tail_ceilings(loaded, prompts, reps: int, params, stores, tag: str, batches: tuple[int, ...]) -> dict:
+    """The tail rows replayed without timing noise (``specdec_ceiling``): the same members' texts, the
+    run's verify profile, the suffix drafts as drafted, verified only where accepted (no rule choosing
+    among these drafts does better), and a free drafter of the policy's own most likely tokens; also on
+    a machine where verify rows cost nothing over a decode step."""
+    profile = VerifyProfile.load(PROFILE)
+    cfg, k = SpecConfig(), 6
+    reqs = [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
+            for rep in range(reps) for i in range(TAIL_MEMBERS)]
+    texts = engine(loaded, spec=False).generate(reqs)  # position-keyed sampling: the tail rows' very texts
+    stop = frozenset(loaded.eos_token_ids)
+    tables = [position_table(loaded.model, r, stores.get(r.request_id.split("/")[0], cfg.min_match).copy(), cfg, k, stop)
+              for r in texts]
+    out = {}
+    for name, prof in (("measured", profile), ("free_rows", free_rows(profile))):
+        out[name] = {b: {rule: round(replay(tables, prof, b, RULES[rule])["ratio"], 3) for rule in RULES} for b in batches}
+    return out
 
 
 def exactness(loaded, prompts, stores) -> dict:
@@ -363,6 +384,10 @@ def run(quick: bool, console: Console) -> dict:
     for b in (1, 2, 4):
         f = tail[b] = speed(loaded, prompts, b, reps, params, stores, "grp", fresh_groups=False, members=TAIL_MEMBERS)
         console.print(f"  tail batch {b}: {f['spec_tps']:.1f} vs {f['plain_tps']:.1f} tok/s = {f['ratio']:.2f}x {f['rounds']}")
+    ceil = tail_ceilings(loaded, prompts, reps, params, stores, "grp", tuple(tail))
+    for name, by_b in ceil.items():
+        console.print(f"  tail replayed ({name} verify cost): " + "; ".join(f"batch {b} " + ", ".join(
+            f"{r} {v:.2f}x" for r, v in by_rule.items()) for b, by_rule in by_b.items()))
     # three rounds of the full max_tokens even when quick: one round's ratio swung 0.86-1.05 with spec never on, and
     # at 32 tokens a round was ~1 s of decoding
     b32 = speed(loaded, calculator_prompts(loaded, 4), 32, 3, params, stores, "b32-", fresh_groups=True)
@@ -420,6 +445,9 @@ def run(quick: bool, console: Console) -> dict:
         "tokens_per_seq_step": {k: v["tokens_per_seq_step"] for k, v in taus.items()},
         "tail_decode_speedup": tail_speedup,
         "tail_decode_speedup_by_batch": {b: f["ratio"] for b, f in tail.items()},
+        # noise-free replays of the tail rows (specdec_ceiling): suffix / suffix_oracle / greedy_oracle
+        "tail_replay_by_batch": ceil["measured"],
+        "tail_replay_free_rows_by_batch": ceil["free_rows"],
         "batch32_ratio": b32["ratio"],
         "greedy_identical": ex["greedy_identical"],
         "sampled_identical": ex["sampled_identical"],
