@@ -11,7 +11,10 @@
    suffix drafter, adaptive length, drafting time included, vs plain decoding, alternating A B A B.
    Every row decodes the same ``TAIL_MEMBERS`` members (batch 1: one after another) on a fresh copy of
    the references, so rows differ only in batch size, not in which sampled texts they meet.
-   (``tau_group_gain_multipath``: group vs self, both top-4 multi-path.)
+   (``tau_group_gain_multipath``: group vs self, both top-4 multi-path.) The same texts are then
+   replayed without timing noise (``specdec_ceiling``): ``tail_replay_by_batch`` gives the suffix drafts
+   as drafted, only their accepted part (an oracle), and a free drafter of the policy's most likely
+   tokens; ``tail_replay_free_rows_by_batch`` gives the same where verify rows cost nothing.
 3. batch 32: a whole step's worth of fresh groups (4 x 8), adaptive, vs plain.
 4. exactness: greedy tokens identical and max |log-prob difference| (SmolLM2, greedy and sampled drafts);
    a chi-square test of sampled tokens with vs without speculation on a tiny model (vocab 16).
@@ -148,6 +151,13 @@ def paired_tau(loaded: LoadedModel, prompts, measured: int, params: SamplingPara
     return {v: 1.0 + t / per for v, t in total.items()} | {"positions": positions, "tokens": sum(len(r.token_ids) for r in res)}
 
 
+def tail_members(prompts: list[list[int]], rep: int, n: int, tag: str, params: SamplingParams) -> list[GenerateRequest]:
+    """Round ``rep``'s tail members: member i takes prompt i mod P and a seed set by (rep, i) only,
+    distinct from the references' (m < G)."""
+    return [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
+            for i in range(n)]
+
+
 def tokens_per_s(eng: LLMEngine, reqs: list[GenerateRequest]) -> tuple[float, int]:
     busy0, tok0 = eng.stats.busy_s, eng.stats.generated_tokens
     eng.generate(reqs)
@@ -177,9 +187,7 @@ def speed(loaded, prompts, batch: int, reps: int, params, stores, tag: str, *, f
             waves = [[member(pr, p, m, f"{tag}{rep}-{p}", params) for p, pr in enumerate(prompts) for m in range(G)][:batch]]
         else:
             decoder.drafter.groups = stores.copy()
-            # member i: prompt i mod P, seed by (rep, i) only, distinct from the references' (m < G)
-            reqs = [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
-                    for i in range(max(members, batch))]
+            reqs = tail_members(prompts, rep, max(members, batch), tag, params)
             waves = [reqs[j : j + batch] for j in range(0, len(reqs), batch)]
         tok_a = tok_b = s_a = s_b = 0.0
         for w, wave in enumerate(waves):  # A B, B A, ...: slow drift of the machine hits both alike
@@ -209,8 +217,7 @@ def tail_ceilings(loaded, prompts, reps: int, params, stores, tag: str, batches:
     a machine where verify rows cost nothing over a decode step."""
     profile = VerifyProfile.load(PROFILE)
     cfg, k = SpecConfig(), 6
-    reqs = [member(prompts[i % len(prompts)], i % len(prompts), G + 10 * rep + i, f"{tag}{i % len(prompts)}", params)
-            for rep in range(reps) for i in range(TAIL_MEMBERS)]
+    reqs = [r for rep in range(reps) for r in tail_members(prompts, rep, TAIL_MEMBERS, tag, params)]
     texts = engine(loaded, spec=False).generate(reqs)  # position-keyed sampling: the tail rows' very texts
     stop = frozenset(loaded.eos_token_ids)
     tables = [position_table(loaded.model, r, stores.get(r.request_id.split("/")[0], cfg.min_match).copy(), cfg, k, stop)
