@@ -1,6 +1,6 @@
 """The bench's noise-free replay of drafting (arborl.bench.specdec_ceiling) against the live engine:
 with position-keyed sampling a draft's accepted count is its common prefix with the text, so replaying
-the tabulated positions must give the engine's own drafts and accepted tokens, step for step."""
+the tabulated positions must give the engine's own drafts and accepted tokens, draft by draft."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def test_replay_reproduces_the_live_engines_drafts_and_accepted_tokens():
     # both sides draft from copies (copies index streams in one order: ties among votes break alike)
     reference_store = stores.copy()
     live = _engine(True, stores.copy())
+    per_draft: list[int] = []
+    record = live.spec.accepted
+
+    def accepted(draft, n):  # noqa: ANN001, ANN202 - observe the live engine's verdict on each draft
+        if len(draft):
+            per_draft.append(n)
+        record(draft, n)
+
+    live.spec.accepted = accepted
     (res,) = live.generate([_req(100, params)])
     st = live.stats_dict()
     # the check means something only if drafts were both accepted and rejected (here 47 drafts, 18 tokens accepted)
@@ -64,6 +73,7 @@ def test_replay_reproduces_the_live_engines_drafts_and_accepted_tokens():
     flat = VerifyProfile([1, 2], [0, K], [[1.0, 1.0], [1.0, 1.0]])
     got = replay([table], flat, 1, RULES["suffix"])
     assert (got["drafts"], got["accepted"]) == (st["spec_drafts"], st["spec_accepted_tokens"])
+    assert got["accepted_per_draft"] == per_draft  # draft by draft, in order
     assert got["tokens"] == len(res.token_ids) - 1
     # the plain engine samples the very text the speculative one emitted (the premise of the replay)
     (plain,) = _engine(False).generate([_req(100, params)])

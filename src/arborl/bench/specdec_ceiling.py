@@ -81,7 +81,8 @@ def replay(tables: list[list[Position]], profile: VerifyProfile, batch: int, rul
     """Tokens/s of speculative vs plain decoding of ``tables`` in waves of ``batch`` (in order), each
     step costing the profile's T(active sequences, mean verified draft tokens)."""
     spec_tok = spec_s = plain_tok = plain_s = 0.0
-    steps = drafts = accepted = 0
+    steps = 0
+    per_draft: list[int] = []  # accepted tokens of each verified draft, in decoding order
     for w in range(0, len(tables), batch):
         wave = tables[w : w + batch]
         plain_pos, pos = [0] * len(wave), [0] * len(wave)
@@ -97,13 +98,13 @@ def replay(tables: list[list[Position]], profile: VerifyProfile, batch: int, rul
             spec_s += profile.cost(len(active), sum(verified) / len(active))
             steps += 1
             for i, v, (_, a) in zip(active, verified, chosen):
-                drafts += v > 0
-                accepted += min(a, v)
+                if v > 0:
+                    per_draft.append(min(a, v))
                 gained = min(1 + min(a, v), len(wave[i]) - pos[i])
                 pos[i] += gained
                 spec_tok += gained
     return {"ratio": (spec_tok / spec_s) / (plain_tok / plain_s), "steps": steps, "tokens": int(spec_tok),
-            "drafts": drafts, "accepted": accepted}
+            "drafts": len(per_draft), "accepted": sum(per_draft), "accepted_per_draft": per_draft}
 
 
 def free_rows(profile: VerifyProfile) -> VerifyProfile:
