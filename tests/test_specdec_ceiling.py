@@ -55,7 +55,7 @@ def test_replay_reproduces_the_live_engines_drafts_and_accepted_tokens():
     per_draft: list[int] = []
     record = live.spec.accepted
 
-    def accepted(draft, n):  # noqa: ANN001, ANN202 - observe the live engine's verdict on each draft
+    def accepted(draft, n):  # the live engine's verdict on each draft, observed
         if len(draft):
             per_draft.append(n)
         record(draft, n)
