@@ -28,6 +28,7 @@ import torch
 from arborl.config import SpecConfig
 from arborl.engine.spec.adaptive import VerifyProfile
 from arborl.engine.spec.suffix import TokenStore, suffix_draft
+from arborl.prefix import common_prefix_len
 from arborl.types import GenerateResult
 
 
@@ -68,13 +69,6 @@ def position_table(model: torch.nn.Module, result: GenerateResult, store: TokenS
         table.append(Position(len(path), accepted, run))
         store.extend("replayed", stream[n : n + 1])
     return table
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def replay(tables: list[list[Position]], profile: VerifyProfile, batch: int, rule: Rule) -> dict:

@@ -27,8 +27,8 @@ def host_lock_dir() -> Path:
 
 
 class UidPool:
-    def __init__(self, base: int, size: int, lock_dir: Path | None = None) -> None:
-        self.lock_dir, self.base, self.size = lock_dir or host_lock_dir(), base, size
+    def __init__(self, base: int, size: int) -> None:
+        self.lock_dir, self.base, self.size = host_lock_dir(), base, size
         self._held: dict[int, int] = {}  # uid -> lock fd
 
     def acquire(self) -> int:
