@@ -1,7 +1,9 @@
 """Parallel runs (`pytest -n 2 --dist loadfile`, what `make test` does): each test file runs whole on
 one worker, so its module fixtures (a vLLM server, a Ray session) start once. The files that start a
 local Ray cluster take a machine-wide lock for their whole module, so two never overlap and each "no
-Ray process left" check sees only its own cluster."""
+Ray process left" check sees only its own cluster.
+
+``ARBORL_TEST_PACE=slow|fast`` runs tests with the engine made slow or fast (``tests/pace.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import pace
 
 RAY_MODULE_PREFIX = "test_cluster_"
 RAY_LOCK = Path(tempfile.gettempdir()) / "arborl-tests-ray.lock"
@@ -59,3 +63,15 @@ def ray_session() -> Iterator[None]:
         while leftover_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert leftover_processes() == []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if pace.MODE == "slow":
+        pace.install_slow_engine()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if pace.MODE == "fast":
+        for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+            pace.stretch_test_waits(module)
+        pace.stretch_loaded_helpers()

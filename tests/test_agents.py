@@ -78,17 +78,22 @@ def test_whitebox_agent_errors_and_timeouts_keep_the_data(h):
                                      ignore_eos=True)
         return AgentOutcome("never")
 
-    late = run(run_agent(h.gateway, slow, TASK, timeout_s=0.3))
-    assert late.status == EpisodeStatus.ABORTED and "timeout" in late.error
+    (engine,) = h.engines
+    run(engine.pause())  # its call cannot finish before the timeout, however fast the engine is
+    try:
+        late = run(run_agent(h.gateway, slow, TASK, timeout_s=0.3))
+        assert late.status == EpisodeStatus.ABORTED and "timeout" in late.error
 
-    def aborted_recorded():
-        calls = h.pool.calls(late.episode_id)
-        return calls and calls[0].finish_reason == "abort"
+        def aborted_recorded():
+            calls = h.pool.calls(late.episode_id)
+            return calls and calls[0].finish_reason == "abort"
 
-    deadline = time.monotonic() + 10
-    while not aborted_recorded():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while not aborted_recorded():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        engine.resume()
     assert h.pool.get_episode(late.episode_id).status == EpisodeStatus.ABORTED
 
 

@@ -129,7 +129,8 @@ def test_killed_engine_actor_loses_no_request_and_rejoins_at_the_current_version
                                        .engine.generate(r)) for i, r in enumerate(reqs)]
         while pool.dispatcher.counts["pieces"] < 6:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # both engines are mid-rollout
+        # the victim stops between two steps with its pieces in flight: the kill loses them, whatever the speed
+        await asyncio.wait_for(victim.pause(after_tokens=10), 120)
         os.kill(old_pid, signal.SIGKILL)
         results = await asyncio.gather(*tasks)
         # new weights while the actor is down: it must load them when it comes back
@@ -204,6 +205,15 @@ def test_a_training_step_survives_an_engine_actor_killed_mid_rollout_and_loses_n
     assert victim.down or victim.pid != old_pid  # it died (coming back is the previous test's check)
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _reference_greedy(trainer, state, prompt, n=12):
     model = copy.deepcopy(trainer.model).eval()
     model.load_state_dict(state)
@@ -241,7 +251,8 @@ def test_collective_weight_sync_broadcasts_and_survives_a_killed_member(deployed
         first = [await e.generate(_greedy([5, 6, 7])) for e in engines]
         groups = sync.groups_formed
         os.kill(victim.pid, signal.SIGKILL)
-        await asyncio.sleep(0.5)
+        while _alive(victim.pid):  # dead before the broadcast, however fast Ray restarts it
+            await asyncio.sleep(0.01)
         await built.engines.update_weights(s[22], 22)  # the broadcast meets a dead member
         while victim.down and time.monotonic() < deadline:
             await asyncio.sleep(0.2)

@@ -9,11 +9,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import sqlite3
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,17 +21,21 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a Ray session, a trainer actor and its engine actor, started twice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import signal_agent  # noqa: E402
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
 from arborl import job  # noqa: E402
 from arborl.cluster.session import ClusterError  # noqa: E402
-from arborl.cluster.supervise import actor_name  # noqa: E402
 from arborl.rundir import RunDir  # noqa: E402
 
 
 def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_path, caplog):
+    # the trainer actor (it runs the episodes) kills itself as step 2's first episode ends: after step 1's
+    # checkpoint and mid-run on any machine; never this process
+    agent = signal_agent.install(tmp_path / "agent", "KILL", at=16 + 1, not_pid=os.getpid())
     cfg = tiny_cfg(tmp_path, "sup", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0.5",
-                   "gateway.num_engines=1", "cluster.engine_cpus=1", "rollout.steps=4", "rollout.checkpoint_every=1")
+                   "gateway.num_engines=1", "cluster.engine_cpus=1", "rollout.steps=4", "rollout.checkpoint_every=1",
+                   agent)
     run = RunDir(cfg.run_dir, cfg.datapool)
     out: dict = {}
 
@@ -45,15 +47,9 @@ def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_
 
     t = threading.Thread(target=train, daemon=True)
     t.start()
-    deadline = time.monotonic() + 240
-    while not run.has_checkpoint() and t.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert t.is_alive(), out  # killed mid-run, not after it
-    first = ray.get(ray.get_actor(actor_name(cfg, 0)).pid.remote())
-    assert first != os.getpid()  # the trainer is not in this process
-    os.kill(first, signal.SIGKILL)
-    t.join(timeout=300)
+    t.join(timeout=400)
     assert not t.is_alive() and "error" not in out, out
+    assert signal_agent.fired(tmp_path / "agent")
     assert out["summary"]["steps"] == 4
     assert "the trainer actor died" in caplog.text and "resuming from the last checkpoint (restart 1 of 1)" in caplog.text
     steps = [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()]

@@ -260,17 +260,13 @@ def test_async_engine_concurrent_stream_cancel_and_update():
                 await aeng.generate(GenerateRequest([], greedy()))
             long = GenerateRequest(prompt(2, 6), greedy(200))
             task = asyncio.ensure_future(aeng.generate(long))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(aeng.pause(after_tokens=1), 60)  # in flight, whatever the machine's speed
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            stats = await aeng.stats()
-            for _ in range(100):
-                if stats["running"] == 0:
-                    break
-                await asyncio.sleep(0.01)
-                stats = await aeng.stats()
-            assert stats["running"] == 0 and stats["aborted"] >= 1
+            stats = await until(aeng, lambda st: st["running"] == 0)  # the abort ends it while paused
+            assert stats["aborted"] == 1
+            aeng.resume()
             new = make_model(seed=3)
             await aeng.update_weights(new.state_dict(), 7)
             assert aeng.version == 7
@@ -331,16 +327,63 @@ def test_slot_compaction_after_kv_growth():
         assert_matches_reference(model, r)
 
 
+async def until(aeng: AsyncEngine, cond, timeout: float = 60.0) -> dict:
+    """The engine's stats once ``cond(stats)`` holds (each look is a command run between two steps)."""
+    async def poll() -> dict:
+        while not cond(stats := await aeng.stats()):
+            await asyncio.sleep(0.005)
+        return stats
+
+    return await asyncio.wait_for(poll(), timeout)
+
+
+def test_pause_holds_a_request_in_flight_and_commands_still_apply():
+    """pause(after_tokens=k) stops decoding once k tokens came out; while paused no token is made, a
+    new request waits, a weight update loads and an abort ends its request at once with its tokens;
+    resume goes on. The point at which it pauses is an event, not a matter of the machine's speed."""
+    aeng = AsyncEngine(make_engine())
+    try:
+        asyncio.run(_pause_scenario(aeng))
+    finally:
+        aeng.shutdown()
+
+
+async def _pause_scenario(aeng: AsyncEngine) -> None:
+    assert await asyncio.wait_for(aeng.pause(), 10) == 0 and aeng.paused  # idle: paused at once
+    waiting = asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(5, 6), greedy(4))))
+    st = await until(aeng, lambda st: st["queue_length"] == 1)
+    assert st["generated_tokens"] == 0 and st["paused"]
+    aeng.resume()
+    assert len((await waiting).token_ids) == 4 and not aeng.paused
+    with pytest.raises(ValueError, match="after_tokens"):
+        await aeng.pause(after_tokens=-1)
+
+    req = GenerateRequest(prompt(6, 6), greedy(200))
+    long = asyncio.ensure_future(aeng.generate(req))
+    at = await asyncio.wait_for(aeng.pause(after_tokens=7), 60)
+    assert at >= 4 + 7
+    a, b = await aeng.stats(), await aeng.stats()
+    assert a["generated_tokens"] == b["generated_tokens"] == at and a["running"] == 1 and a["paused"]
+    await aeng.update_weights(make_model(seed=9).state_dict(), 1)  # loads while paused
+    aeng.abort(req.request_id)  # ends at once, with the tokens it had
+    res = await asyncio.wait_for(long, 60)
+    assert res.finish_reason == FinishReason.ABORT and len(res.token_ids) == at - 4 and aeng.paused
+    aeng.resume()
+    after = await aeng.generate(GenerateRequest(prompt(1, 6), greedy(3)))
+    assert after.versions == [1, 1, 1]
+
+
 def test_caller_loop_closed_mid_request_does_not_kill_the_engine():
     aeng = AsyncEngine(make_engine())
     try:
         async def leave_early():
             asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(1, 6), greedy(60))))
-            await asyncio.sleep(0.05)  # submitted; the loop closes with the request in flight
+            await asyncio.wait_for(aeng.pause(after_tokens=1), 60)  # the loop closes with the request in flight
 
         asyncio.run(leave_early())
 
         async def later():
+            aeng.resume()
             return await aeng.generate(GenerateRequest(prompt(2, 6), greedy(3)))
 
         assert len(asyncio.run(later()).token_ids) == 3
@@ -350,13 +393,19 @@ def test_caller_loop_closed_mid_request_does_not_kill_the_engine():
     assert aeng.closed
 
 
-def hold_engine_thread(aeng: AsyncEngine, seconds: float) -> asyncio.Future:
-    """Keep the engine's worker thread busy for ``seconds``, through the public API: a weight update
-    whose load sleeps (every call queued behind it waits)."""
-    import time
+class HeldEngineThread:
+    """Keeps the engine's worker thread busy until released, through the public API: a weight update
+    whose load blocks on an event (every call queued behind it waits). ``entered`` says it is inside."""
 
-    aeng.engine.update_weights = lambda state, version: time.sleep(seconds)
-    return asyncio.ensure_future(aeng.update_weights({}, aeng.version))
+    def __init__(self, aeng: AsyncEngine) -> None:
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+        aeng.engine.update_weights = lambda state, version: (self.entered.set(), self.release.wait(60))
+        self.done = asyncio.ensure_future(aeng.update_weights({}, aeng.version))
+
+    async def inside(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 60)
 
 
 def test_shutdown_fails_queued_calls_instead_of_hanging():
@@ -365,13 +414,18 @@ def test_shutdown_fails_queued_calls_instead_of_hanging():
     aeng = AsyncEngine(make_engine())
 
     async def main():
-        hold_engine_thread(aeng, 0.5)
-        await asyncio.sleep(0.1)  # the engine thread is inside the sleep now
+        held = HeldEngineThread(aeng)
+        await held.inside()
         pending = asyncio.ensure_future(aeng.stats())
-        await asyncio.sleep(0.05)
-        threading.Thread(target=aeng.shutdown).start()
+        await asyncio.sleep(0)  # the stats call is queued behind the held thread
+        closer = threading.Thread(target=aeng.shutdown)
+        closer.start()
+        while not aeng.closed:
+            await asyncio.sleep(0.001)
+        held.release.set()
         with pytest.raises(Exception, match="shut down"):
             await asyncio.wait_for(pending, 10)
+        await asyncio.to_thread(closer.join, 30)
 
     asyncio.run(main())
 
@@ -380,58 +434,18 @@ def test_request_cancelled_before_the_engine_took_it_is_aborted():
     aeng = AsyncEngine(make_engine())
     try:
         async def main():
-            hold_engine_thread(aeng, 0.5)  # the add below waits behind this
-            await asyncio.sleep(0.1)
+            held = HeldEngineThread(aeng)  # the add below waits behind this
+            await held.inside()
             task = asyncio.ensure_future(aeng.generate(GenerateRequest(prompt(3, 6), greedy(200))))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # its add is queued
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(300):
-                stats = await aeng.stats()
-                if stats["aborted"] == 1 and stats["running"] == 0:
-                    return stats
-                await asyncio.sleep(0.01)
-            return stats
+            held.release.set()
+            await held.done
+            return await until(aeng, lambda st: st["aborted"] == 1 and st["running"] == 0)
 
         stats = asyncio.run(main())
-        assert stats["aborted"] == 1 and stats["running"] == 0 and stats["generated_tokens"] < 200
+        assert stats["aborted"] == 1 and stats["running"] == 0 and stats["generated_tokens"] == 0
     finally:
         aeng.shutdown()
-
-
-def test_no_deferral_waves_without_a_prefix_cache():
-    eng = make_engine(prefix_cache=False)
-    calls = []
-    real = eng.runner.prefill
-    eng.runner.prefill = lambda items: calls.append(len(items)) or real(items)
-    eng.generate([GenerateRequest(prompt(8, 40), greedy(2)) for _ in range(8)])
-    assert calls == [8]  # one forward for the whole group
-
-
-def test_top_p_one_rows_are_not_truncated_in_mixed_batches():
-    from arborl.engine.sampling import sample
-
-    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(0)) * 8
-    plain = SamplingParams(temperature=1.0)
-    alone = sample(logits[:1], [plain], [1], [7])
-    mixed = sample(logits, [plain, SamplingParams(top_p=0.5)], [1, 2], [7, 7])
-    assert mixed.tokens[0] == alone.tokens[0]
-    assert mixed.sample_logprobs[0] == alone.sample_logprobs[0]
-
-
-def test_keyed_draws_follow_the_distribution_and_never_draw_a_token_without_mass():
-    from arborl.engine.sampling import draw, log_probs, position_uniform
-
-    p = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])
-    dist = torch.log(p)  # -inf where there is no mass
-    assert [draw(dist, [u]).item() for u in (0.0, 0.49, 0.51, 0.79, 0.81)] == [1, 1, 3, 3, 4]
-    assert draw(dist, [1.0 - 2.0**-53]).item() == 4  # u * total rounding up to total: the last token with mass
-    us = [position_uniform(seed, 17) for seed in range(20000)]
-    assert 0.0 <= min(us) and max(us) < 1.0
-    counts = torch.bincount(draw(dist.expand(len(us), -1), us), minlength=6).double() / len(us)
-    assert torch.allclose(counts, p[0].double(), atol=0.015)
-    # a request's uniform depends on its seed and the position only, and differs from position to position
-    assert position_uniform(3, 5) == position_uniform(3, 5) != position_uniform(3, 6) != position_uniform(4, 5)
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    assert draw(log_probs(logits), [0.2, 0.2, 0.9]).shape == (3,)

@@ -46,6 +46,7 @@ def test_affinity_then_fallback_under_load(h):
                 if stop.is_set():
                     break
 
+    asyncio.run(h.engines[home_idx].pause())  # the long request stays in flight however fast the engine is
     t = threading.Thread(target=long_stream)
     t.start()
     try:
@@ -62,6 +63,7 @@ def test_affinity_then_fallback_under_load(h):
         assert h.pool.calls(other_sid)[0].engine_id != home
     finally:
         stop.set()
+        h.engines[home_idx].resume()
         t.join()
     assert h.gateway.engines.router.moves >= 1
     after = ask("after")

@@ -10,11 +10,11 @@ import json
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 import yaml
+from helpers import signal_agent
 from helpers.tiny_run import ENV, arborl_cmd, overrides, set_args, tiny_cfg
 from rich.console import Console
 from typer.testing import CliRunner
@@ -96,23 +96,23 @@ def test_a_failed_start_writes_nothing_and_a_run_without_checkpoint_restarts_wit
     assert _checkpoint_step(run) == 1
 
 
+EPISODES_PER_STEP = 16  # rollout.batch_tasks x rollout.group_size of the tiny job
+
+
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path):
     run = tmp_path / "sig"
-    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "sig", "rollout.steps=4")))
+    # SIGTERM arrives as step 2's first episode ends: an event inside the step, not a race with its speed
+    agent = signal_agent.install(tmp_path / "agent", "TERM", at=EPISODES_PER_STEP + 1)
+    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "sig", "rollout.steps=4", agent)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        deadline = time.time() + 120
-        while not ((run / "metrics.jsonl").is_file() and '"kind": "step"' in (run / "metrics.jsonl").read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 143, out
     summary = json.loads((run / "summary.json").read_text())
     done = summary["steps"]
-    assert 1 <= done < 4 and summary["stopped"] == "SIGTERM"
+    assert done == 2 and summary["stopped"] == "SIGTERM"
     assert _checkpoint_step(run) == done and _steps(run) == list(range(1, done + 1))
     assert "SIGTERM received: stopping after the step in flight" in out
     assert f"stopped by SIGTERM after step {done} of 4" in out
@@ -128,19 +128,12 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_
 
 def test_resume_after_kill_9_aborts_the_episodes_left_running(tmp_path):
     run = tmp_path / "k9"
-    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "k9", "rollout.steps=40", "rollout.checkpoint_every=1")))
+    # killed as step 3's first episode ends, before it is closed: step 2's checkpoint exists, episodes are open
+    agent = signal_agent.install(tmp_path / "agent", "KILL", at=2 * EPISODES_PER_STEP + 1)
+    cmd = arborl_cmd("train", *set_args(overrides(tmp_path, "k9", "rollout.steps=40", "rollout.checkpoint_every=1", agent)))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     try:
-        deadline = time.time() + 120
-        while True:  # a checkpoint exists and the next step's episodes are in flight
-            if (run / "checkpoint" / "trainer.pt").is_file() and (run / "datapool.sqlite").is_file():
-                with DataPool(run / "datapool.sqlite") as pool:
-                    if pool.count_episodes(status=EpisodeStatus.RUNNING):
-                        break
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=240) == -signal.SIGKILL
     finally:
         proc.kill()
     with DataPool(run / "datapool.sqlite") as pool:

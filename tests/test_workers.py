@@ -62,7 +62,7 @@ def test_episodes_run_in_worker_processes_over_http(tmp_path, monkeypatch):
 
 def test_a_worker_killed_mid_episode_loses_no_other_episode_and_its_own_are_retried(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORL_TEST_MARKS", str(tmp_path))
-    monkeypatch.setenv("ARBORL_TEST_SLEEP", "1.5")
+    monkeypatch.setenv("ARBORL_TEST_HOLD", "1")
     cfg = _cfg(tmp_path, "slow")
 
     async def body(ctl):
@@ -73,6 +73,7 @@ def test_a_worker_killed_mid_episode_loses_no_other_episode_and_its_own_are_retr
         victim = int(next(tmp_path.glob("*-*")).name.split("-")[0])
         held = len(list(tmp_path.glob(f"{victim}-*")))
         os.kill(victim, signal.SIGKILL)
+        (tmp_path / "release").touch()  # the others (and the retries) may finish now
         return await run, victim, held, ctl.infra_failures, ctl.workers.stats()
 
     (episodes, victim, held, infra, stats), _, stored = asyncio.run(_run(cfg, body))

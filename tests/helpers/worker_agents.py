@@ -1,7 +1,8 @@
 """White-box agents for the rollout-worker tests (loaded by path: rollout.agent=<this file>:<name>).
 
-``slow``: one model call, then marks ``$ARBORL_TEST_MARKS/<pid>-<session>`` and sleeps
-``$ARBORL_TEST_SLEEP`` seconds (so a test can kill its worker mid-episode); answers its pid.
+``slow``: one model call, then marks ``$ARBORL_TEST_MARKS/<pid>-<session>`` and, with
+``$ARBORL_TEST_HOLD`` set, waits until ``$ARBORL_TEST_MARKS/release`` exists (so a test can kill its
+worker mid-episode, whatever the machine's speed); answers its pid.
 ``crash``: raises (the agent's own failure); ``block``: blocks the worker's event loop (a stall)."""
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ def slow(suite, sampling):
         await client.chat([{"role": "user", "content": str(task.prompt)}], **{**sampling, "max_tokens": 3})
         await client.interaction(kind="note", pid=os.getpid())
         (Path(os.environ["ARBORL_TEST_MARKS"]) / f"{os.getpid()}-{client.session_id}").touch()
-        await asyncio.sleep(float(os.environ.get("ARBORL_TEST_SLEEP", "0")))
+        release = Path(os.environ["ARBORL_TEST_MARKS"]) / "release"
+        deadline = time.monotonic() + 300
+        while os.environ.get("ARBORL_TEST_HOLD") and not release.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         return AgentOutcome(answer=str(os.getpid()), info={"pid": os.getpid()})
     return agent
 

@@ -86,6 +86,13 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    async def pause(self, after_tokens: int = 0) -> int:
+        """``AsyncEngine.pause``: stop decoding (at once or after ``after_tokens`` more tokens)."""
+        return await self.engine.pause(after_tokens)
+
+    async def resume(self) -> None:
+        self.engine.resume()
+
     async def update_weights(self, payload: Any, version: int) -> tuple[float, dict]:
         """Load a published version; returns (seconds in the engine, its speculative-decoding counters)."""
         if isinstance(payload, CollectivePayload):

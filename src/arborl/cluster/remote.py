@@ -146,6 +146,15 @@ class RemoteEngine:
         if not self.down:  # a dead actor took its requests with it
             self.actor.abort.remote(request_id)
 
+    async def pause(self, after_tokens: int = 0) -> int:
+        """The actor's ``AsyncEngine.pause``: returns once it stopped decoding."""
+        self._check()
+        return await self._await(self.actor.pause.remote(after_tokens))
+
+    def resume(self) -> None:
+        self._check()
+        self.actor.resume.remote()
+
     async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Publish (once for all engines) and load. An engine that is down gets them when it rejoins."""
         payload = await asyncio.to_thread(self.publisher.payload, state, version)

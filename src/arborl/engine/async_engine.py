@@ -3,6 +3,11 @@
 Every mutation of the engine (add, abort, weight update) is queued and applied by the worker thread
 between steps, so the core loop needs no locks. A cancelled ``generate`` aborts its request.
 A failing step fails only the requests that were in it; the engine keeps serving.
+
+``pause`` stops decoding between two steps -- at once, or after the step that brings the engine's
+generated tokens ``after_tokens`` past the call -- and ``resume`` goes on. A paused engine still
+applies every command (adds queue, weight updates load, aborts end their requests at once), so a
+caller gets "a request in flight with k tokens" as an event, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class AsyncEngine:
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._closed = False
         self._pending_calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # _call()s not yet run
+        self._paused = False  # written by the worker thread only
+        # pause() calls not yet reached: (caller's loop, its future, generated-token count to pause at)
+        self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._thread = threading.Thread(target=self._loop, name=f"arborl-{engine.engine_id}", daemon=True)
         self._thread.start()
 
@@ -63,6 +71,10 @@ class AsyncEngine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def load(self) -> int:
         """Requests in flight (waiting + running): what a router balances on."""
@@ -113,7 +125,32 @@ class AsyncEngine:
         return await self._call(lambda: self.engine.import_prefix_kv(tokens, kv, version))
 
     async def stats(self) -> dict:
-        return await self._call(self.engine.stats_dict)
+        return await self._call(lambda: {**self.engine.stats_dict(), "paused": self._paused})
+
+    async def pause(self, after_tokens: int = 0) -> int:
+        """Stop decoding between two steps: at once (``after_tokens=0``), or after the first step at
+        which the engine has generated ``after_tokens`` more tokens than when the call took effect.
+        Returns once paused, with the engine's generated-token count. Commands still apply while
+        paused (see the module docstring); ``resume`` goes on. Waits as long as the engine has not
+        generated that many tokens (use ``asyncio.wait_for`` to bound it)."""
+        if after_tokens < 0:
+            raise ValueError(f"after_tokens must be >= 0, got {after_tokens}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def arm() -> None:
+            self._pause_waiters.append((loop, fut, self.engine.stats.generated_tokens + after_tokens))
+            self._check_pause()
+
+        self._command(arm)
+        return await fut
+
+    def resume(self) -> None:
+        """Decode again after ``pause`` (applied after every command queued before it)."""
+        def go() -> None:
+            self._paused = False
+
+        self._command(go)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -175,7 +212,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._commands and not self.engine.has_work:
+                while not self._closed and not self._commands and (self._paused or not self.engine.has_work):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -185,6 +222,10 @@ class AsyncEngine:
                     fn()
                 except Exception:  # a command reports its own errors (see _call); never kill the loop
                     log.exception("engine command failed")
+            if self._paused:
+                for res in self.engine.reap_aborts():
+                    self._resolve(res.request_id, res, None)
+                continue
             if not self.engine.has_work:
                 continue
             try:
@@ -194,10 +235,26 @@ class AsyncEngine:
                 continue
             for res in results:
                 self._resolve(res.request_id, res, None)
+            self._check_pause()
         self._fail_in_flight(EngineClosedError("engine is shut down"))
+        for loop, fut, _ in self._pause_waiters:
+            _deliver(loop, _set_exception, fut, EngineClosedError("engine is shut down"))
+        self._pause_waiters.clear()
         for loop, fut in list(self._pending_calls):  # queued calls that will never run
             _deliver(loop, _set_exception, fut, EngineClosedError("engine is shut down"))
         self._pending_calls.clear()
+
+    def _check_pause(self) -> None:
+        """Worker thread, between steps: pause when the armed token count is reached."""
+        generated = self.engine.stats.generated_tokens
+        self._pause_waiters = [w for w in self._pause_waiters if not w[1].cancelled()]  # callers gone
+        reached = [w for w in self._pause_waiters if w[2] <= generated]
+        if not reached:
+            return
+        self._paused = True
+        self._pause_waiters = [w for w in self._pause_waiters if w[2] > generated]
+        for loop, fut, _ in reached:
+            _deliver(loop, _set_result, fut, generated)
 
     def _resolve(self, request_id: str, result: GenerateResult | None, error: Exception | None) -> None:
         entry = self._futures.pop(request_id, None)

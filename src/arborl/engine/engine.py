@@ -185,6 +185,12 @@ class LLMEngine:
         self.stats.busy_s += time.perf_counter() - t0
         return results
 
+    def reap_aborts(self) -> list[GenerateResult]:
+        """End the aborted requests now, without a decode step (a paused engine still answers aborts)."""
+        finished: list[Sequence] = []
+        self._apply_aborts(finished)
+        return [self._finish(seq) for seq in finished]
+
     def run_until_done(self) -> list[GenerateResult]:
         out: list[GenerateResult] = []
         while self.has_work:
