@@ -117,8 +117,9 @@ def _steps(cfg):
 
 def test_seer_dispatch_in_training_divides_requests_over_engines(tmp_path):
     """`arborl train` with scheduling.dispatch=seer: every engine request goes through the dispatcher in
-    2-token pieces over two engines; the recorded calls are whole (merged) and pieces migrated (up to 8
-    pieces a request, so that some piece changes engine does not hang on one lucky interleaving)."""
+    2-token pieces over two engines; the recorded calls are whole (merged). Whether a piece changes
+    engine depends on which engine frees a slot first, i.e. on timing: migration itself is checked on
+    the dispatcher alone (test_dispatcher.py), not here."""
     cfg = tiny_cfg(tmp_path, "seer", "scheduling.dispatch=seer", "scheduling.chunk_tokens=2", "gateway.num_engines=2",
                    "rollout.steps=2", "rollout.max_tokens=16")
     summary = train(cfg)
@@ -127,7 +128,7 @@ def test_seer_dispatch_in_training_divides_requests_over_engines(tmp_path):
     last = steps[-1]
     assert last["dispatch/requests"] >= 2 * 3 * 4
     assert last["dispatch/pieces"] > last["dispatch/requests"]  # 16-token requests in 2-token pieces
-    assert last["dispatch/migrations"] > 0 and last["dispatch/policy_probes"] > 0
+    assert last["dispatch/policy_probes"] > 0
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
         calls = [c for e in pool.episodes() for c in pool.get_episode(e.episode_id).calls]
     assert calls and all(len(c.completion_token_ids) <= 16 for c in calls)

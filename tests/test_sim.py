@@ -45,6 +45,21 @@ def test_fit_recovers_known_lines():
     assert f.r2 > 0.98 and f.max_rel_err < 0.05
     p = fit_prefill([(n, 0.002 + 1e-4 * n) for n in (16, 64, 256)])
     assert p.params["prefill_per_token_s"] == pytest.approx(1e-4, rel=1e-6)
+    assert p.params["prefill_per_token2_s"] == pytest.approx(0.0, abs=1e-12)  # a line has no quadratic part
+    q = fit_prefill([(n, 1e-3 + 2e-5 * n + 1e-7 * n * n) for n in (16, 128, 512, 1024)])
+    assert q.params["prefill_per_token2_s"] == pytest.approx(1e-7, rel=1e-4) and q.max_rel_err < 1e-6
+    # superlinear timings that a line could only fit with a negative base: the base is dropped, not clamped
+    r = fit_prefill([(16, 0.00077), (512, 0.0685)])
+    assert min(r.params.values()) >= 0 and r.max_rel_err < 1e-6
+
+
+def test_the_prefill_quadratic_knob_reaches_the_simulators_cost():
+    from arborl.config import load_config
+    from arborl.sim import cost_model
+
+    plain = cost_model(load_config(None, []).sim)
+    quad = cost_model(load_config(None, ["sim.prefill_per_token2_s=1e-7"]).sim)
+    assert quad.prefill_s(1000) == pytest.approx(plain.prefill_s(1000) + 0.1) and plain.prefill_per_token2_s == 0
 
 
 def _drain(inst: SimInstance):

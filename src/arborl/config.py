@@ -950,6 +950,9 @@ class SimConfig(Section):
     )
     prefill_base_s: float = Field(0.005, ge=0, description="prefill time, fixed part per admission (seconds)")
     prefill_per_token_s: float = Field(7e-5, ge=0, description="prefill time per prompt token (seconds)")
+    prefill_per_token2_s: float = Field(
+        0.0, ge=0, description="prefill time per squared prompt token, attention's quadratic part (seconds; 0: linear)"
+    )
     transfer_per_token_s: float = Field(
         2e-6, ge=0, description="KV transfer time per token when scheduling.migration=transfer (seconds)"
     )

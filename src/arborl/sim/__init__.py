@@ -39,7 +39,8 @@ def cost_model(sim: SimConfig) -> CostModel:
     return CostModel(
         decode_base_s=sim.decode_base_s, decode_per_seq_s=sim.decode_per_seq_s,
         decode_per_ctx_token_s=sim.decode_per_ctx_token_s, prefill_base_s=sim.prefill_base_s,
-        prefill_per_token_s=sim.prefill_per_token_s, transfer_per_token_s=sim.transfer_per_token_s,
+        prefill_per_token_s=sim.prefill_per_token_s, prefill_per_token2_s=sim.prefill_per_token2_s,
+        transfer_per_token_s=sim.transfer_per_token_s,
         kv_capacity_tokens=sim.kv_capacity_tokens, max_batch=sim.max_batch, weight_update_s=sim.weight_update_s,
         spec_acceptance=sim.spec_acceptance, spec_max_k=sim.spec_max_k,
     )

@@ -1,7 +1,7 @@
 """The cost model of one engine instance, and its fit to measurements of the built-in engine.
 
     decode step (s)  = decode_base_s + decode_per_seq_s * batch + decode_per_ctx_token_s * sum(context)
-    prefill (s)      = prefill_base_s + prefill_per_token_s * tokens
+    prefill (s)      = prefill_base_s + prefill_per_token_s * tokens + prefill_per_token2_s * tokens^2
     KV migration (s) = transfer_per_token_s * tokens          (scheduling.migration = transfer)
 
 Speculative decoding (``spec_acceptance`` a > 0): a verify step with k draft tokens per sequence runs
@@ -30,6 +30,7 @@ class CostModel:
     decode_per_ctx_token_s: float = 1.0e-8
     prefill_base_s: float = 0.005
     prefill_per_token_s: float = 2.0e-5
+    prefill_per_token2_s: float = 0.0  # attention's quadratic part: it dominates long prompts of small models
     transfer_per_token_s: float = 2.0e-6
     kv_capacity_tokens: int = 1_000_000
     max_batch: int = 256
@@ -81,7 +82,9 @@ class CostModel:
         return n
 
     def prefill_s(self, tokens: int) -> float:
-        return self.prefill_base_s + self.prefill_per_token_s * tokens if tokens > 0 else 0.0
+        if tokens <= 0:
+            return 0.0
+        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens * tokens
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -102,8 +105,15 @@ class Fit:
 def _lstsq(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float, np.ndarray]:
     # relative-error weighting: every point counts the same whatever its scale
     w = 1.0 / np.maximum(y, 1e-12)
-    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-    coef = np.maximum(coef, 0.0)  # a cost is never negative
+    # a cost is never negative: a term whose fitted coefficient is negative is dropped and the rest refit
+    keep = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        coef[keep], *_ = np.linalg.lstsq(X[:, keep] * w[:, None], y * w, rcond=None)
+        if len(keep) == 1 or coef[keep].min() >= 0:
+            break
+        keep.remove(keep[int(np.argmin(coef[keep]))])
+    coef = np.maximum(coef, 0.0)
     pred = X @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1e-30
@@ -124,6 +134,6 @@ def fit_prefill(points: list[tuple[int, float]]) -> Fit:
     """points: (prompt tokens, seconds of their prefill)."""
     n = np.array([p[0] for p in points], float)
     y = np.array([p[1] for p in points], float)
-    coef, r2, err, pred = _lstsq(np.stack([np.ones_like(n), n], 1), y)
-    params = {"prefill_base_s": float(coef[0]), "prefill_per_token_s": float(coef[1])}
+    coef, r2, err, pred = _lstsq(np.stack([np.ones_like(n), n, n * n], 1), y)
+    params = {"prefill_base_s": float(coef[0]), "prefill_per_token_s": float(coef[1]), "prefill_per_token2_s": float(coef[2])}
     return Fit(params, r2, err, [(int(a), float(m), float(p)) for a, m, p in zip(n, y, pred)])
