@@ -140,15 +140,25 @@ def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
     async def inject(step: int, task: asyncio.Future, ctl: Controller) -> None:
         if step not in (1, 2):
             return
-        await asyncio.sleep(rng.uniform(0.05, 0.5))  # a random moment of the step's rollout
+        # once the step's first engine requests are out, every engine stops decoding between two steps:
+        # the kill then lands mid-rollout with requests in flight, however fast the machine is (a timed
+        # moment missed the rollout on a faster machine and injected fewer faults)
+        start = built.gateway.stats.requests
+        while built.gateway.stats.requests < start + rng.randint(1, 4) and not task.done():
+            await asyncio.sleep(0.002)
         if task.done():
             return
+        engines = [e for e in built.engines.engines if not e.closed]  # the victim of step 1 may still be restarting
+        await asyncio.gather(*(e.pause() for e in engines))
         if step == 1:  # an engine actor
             killed.append("engine")
             os.kill(victim.pid, signal.SIGKILL)
         elif ctl.workers is not None and ctl.workers.pids():  # the rollout worker actor
             killed.append("worker")
             os.kill(ctl.workers.pids()[0], signal.SIGKILL)
+        for e in engines:
+            if not (step == 1 and e is victim):
+                e.resume()
 
     try:
         times, rows = asyncio.run(_steps(cfg, built, trainer, steps, inject))
@@ -203,8 +213,8 @@ def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
     t = threading.Thread(target=train, daemon=True)
     t.start()
     while not run.has_checkpoint() and t.is_alive():
-        time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 0.5))
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.1))  # a random moment of the two steps left
     killed = 0
     if t.is_alive():
         import ray
