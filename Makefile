@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs clean
+.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs figures clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -65,15 +65,25 @@ RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
 	$(VENV)/bin/arborl train --set name=$(RUN)
 
-# two pytest workers; each test file runs whole on one of them, Ray files one at a time (tests/conftest.py)
+# two pytest workers; each test file runs whole on one of them, Ray files one at a time (tests/conftest.py);
+# then the files whose tests need "a request in flight" again, with the engine made slow and fast
+# (tests/pace.py): no verdict may depend on the machine's speed
+PACE_FILES := tests/test_dispatcher.py tests/test_engine.py tests/test_agents.py tests/test_gateway_routing.py \
+              tests/test_workers.py tests/test_run_lifecycle.py
 test: test-deps vllm
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	ARBORL_TEST_PACE=slow $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)
+	ARBORL_TEST_PACE=fast $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)
 
 bench-engine: venv
 	$(VENV)/bin/arborl bench engine --quick
 
 knobs: venv
 	$(PY) -m arborl.docs_knobs > docs/knobs.md
+
+# every benchmark (quick) in its own process -> docs/figures.json, then README's table from it (docs/figures.md)
+figures: venv
+	$(VENV)/bin/arborl bench all --quick && $(PY) -m arborl.docs_figures
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -43,17 +43,50 @@ def _fail(console: Console, error: BaseException, code: int = 2) -> typer.Exit:
 
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help=f"benchmark to run: {', '.join(BENCHMARKS)}"),
+    name: str = typer.Argument(..., help=f"benchmark to run: {', '.join(BENCHMARKS)}; or all: each of them in its "
+                               "own process, the figures recorded with the machine (docs/figures.md)"),
     quick: bool = typer.Option(False, "--quick", help="smaller workload (minutes, not tens of minutes)"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="bench all: runs of each benchmark (median and spread)"),
+    only: Optional[str] = typer.Option(None, "--only", help="bench all: these benchmarks (a,b), the other entries of "
+                                       "--out kept"),
+    out: Path = typer.Option(Path("docs/figures.json"), "--out", help="bench all: the record to write"),
+    timeout_s: float = typer.Option(2400.0, "--timeout-s", min=0, help="bench all: a run of one benchmark is killed "
+                                    "(and recorded as failed) after this many seconds; 0: no limit"),
 ) -> None:
-    """Run a benchmark: a table of figures, then one JSON object as the last line."""
+    """Run a benchmark: a table of figures, then one JSON object as the last line.
+    `arborl bench all` runs every one and writes docs/figures.json (`make figures` also renders README's table)."""
     console = Console(stderr=True)
+    if name == "all":
+        return _bench_all(console, quick=quick, repeats=repeats, only=only, out=out, timeout_s=timeout_s or None)
+    if repeats != 1 or only is not None:
+        raise _fail(console, "--repeats and --only are options of `arborl bench all`")
     try:
         run = get_benchmark(name)
     except KeyError:
-        raise _fail(console, f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}") from None
+        raise _fail(console, f"unknown benchmark {name!r}; choose one of: all, {', '.join(BENCHMARKS)}") from None
     figures = run(quick=quick, console=console)
     print(json.dumps(figures, sort_keys=True))
+
+
+def _bench_all(console: Console, *, quick: bool, repeats: int, only: Optional[str], out: Path,
+               timeout_s: float | None) -> None:
+    import shlex
+    import sys
+
+    from arborl.bench.all_bench import RecordError, run_all, select, summary_table
+
+    prog = "arborl" if Path(sys.argv[0]).name == "arborl" else "python -m arborl.cli"
+    command = f"{prog} {shlex.join(sys.argv[1:])}"
+    try:
+        names = select(only)
+        record = run_all(names, quick=quick, repeats=repeats, out=out, command=command, merge=only is not None,
+                         say=lambda m: console.print(escape(m), highlight=False, soft_wrap=True),
+                         echo=lambda line: print(f"  | {line}", file=sys.stderr, flush=True), timeout_s=timeout_s)
+    except RecordError as e:
+        raise _fail(console, e) from None
+    console.print(summary_table(record, names, out))
+    print(json.dumps({"out": str(out), "ok": [n for n in names if record["benches"][n]["ok"]],
+                      "failed": [n for n in names if not record["benches"][n]["ok"]]}))
 
 
 @app.command()
