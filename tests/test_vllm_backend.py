@@ -12,6 +12,7 @@ import dataclasses
 import os
 import signal
 
+import httpx
 import pytest
 import torch
 
@@ -199,6 +200,12 @@ def test_weight_update_changes_outputs_and_versions_in_flight(env):
     assert 0 < seconds < 60
 
 
+async def _vllm_running(http: httpx.AsyncClient, url: str) -> float:
+    """vLLM's gauge of requests running (its Prometheus /metrics)."""
+    text = (await http.get(f"{url}/metrics", timeout=60)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+
+
 def test_killed_server_is_a_retryable_failure_and_comes_back(env):
     built, eng, ref, _ = env
     pid = eng.server.pid
@@ -207,9 +214,20 @@ def test_killed_server_is_a_retryable_failure_and_comes_back(env):
         gw = built.gateway
         info = await gw.create_session(task_id="k", group_id="g3")
         body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-        task = asyncio.ensure_future(gw.chat_completion(info.session, body))
-        while not any(len(live.tokens) >= 2 for live in list(eng._live.values())):
-            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as http:
+            for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
+                task = asyncio.ensure_future(gw.chat_completion(info.session, body))
+                while not any(len(live.tokens) >= 2 for live in list(eng._live.values())) and not task.done():
+                    await asyncio.sleep(0.01)
+                # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now stays
+                # in flight until the kill, whatever the machine's speed
+                assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200
+                if await _vllm_running(http, eng.url) > 0:
+                    break
+                await http.post(f"{eng.url}/resume", timeout=60)
+                await task
+            else:
+                raise AssertionError("the server finished every request before it could be paused")
         os.killpg(pid, signal.SIGKILL)
         with pytest.raises(EngineFailedError, match="retry"):
             await task
