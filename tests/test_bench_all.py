@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from arborl import docs_figures
 from arborl.bench import BENCHMARKS
-from arborl.bench.all_bench import Attempt, bench_entry, kept_entries, machine, run_process
+from arborl.bench.all_bench import Attempt, appended, bench_entry, kept_entries, machine, run_process
 from arborl.bench.figures import HEADLINES, lookup, spread, summarize
 from arborl.cli import app
 
@@ -156,6 +156,22 @@ def test_a_benchmark_entry_over_repeats() -> None:
     assert e["repeats"] == 3 and not e["ok"] and e["error"].endswith("MemoryError") and e["exit_codes"] == [0, 1, 0]
     assert e["wall_s"] == [60.0, 3.0, 61.0] and e["load_before"] == [1.0, 1.5, 1.0]
     assert e["figures"]["80% shared"]["values"] == [5.0, 6.0] and e["raw"] == {"speedup_80": 6.0}
+
+
+def test_an_appended_run_adds_its_values_to_the_earlier_invocations() -> None:
+    """`bench all --append`: a rerun's values join the record's, so median and spread cover both runs."""
+    first = bench_entry("tree-packing", [Attempt(0, 60.0, 1.0, 1.2, {"speedup_80": 5.0}, None)], quick=True,
+                        date="2026-01-01T00:00:00+00:00")
+    second = bench_entry("tree-packing", [Attempt(0, 62.0, 1.2, 1.4, {"speedup_80": 6.0, "speedup_35": 1.3}, None)],
+                         quick=True, date="2026-01-02T00:00:00+00:00")
+    both = appended(first, second)
+    assert both["repeats"] == 2 and both["ok"] and both["wall_s"] == [60.0, 62.0] and both["load_after"] == [1.2, 1.4]
+    assert both["dates"] == ["2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"]
+    assert both["figures"]["80% shared"]["values"] == [5.0, 6.0] and both["figures"]["80% shared"]["median"] == 5.5
+    assert both["figures"]["80% shared"]["spread"] == pytest.approx(1 / 5.5)
+    assert both["figures"]["35% shared"]["values"] == [1.3] and both["raw"] == {"speedup_80": 6.0, "speedup_35": 1.3}
+    failed = bench_entry("tree-packing", [Attempt(1, 3.0, 1.0, 1.0, None, "exit status 1: boom")], quick=True, date="d")
+    assert not appended(first, failed)["ok"] and appended(first, failed)["figures"]["80% shared"]["values"] == [5.0]
 
 
 def test_headline_table_names_registered_benchmarks_with_unique_labels() -> None:

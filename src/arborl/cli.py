@@ -50,6 +50,8 @@ def bench(
     only: Optional[str] = typer.Option(None, "--only", help="bench all: these benchmarks (a,b), the other entries of "
                                        "--out kept"),
     out: Path = typer.Option(Path("docs/figures.json"), "--out", help="bench all: the record to write"),
+    append: bool = typer.Option(False, "--append", help="bench all: add this run's values to the entries of --out "
+                                "(same machine), so median and spread cover every invocation"),
     timeout_s: float = typer.Option(2400.0, "--timeout-s", min=0, help="bench all: a run of one benchmark is killed "
                                     "(and recorded as failed) after this many seconds; 0: no limit"),
 ) -> None:
@@ -57,9 +59,10 @@ def bench(
     `arborl bench all` runs every one and writes docs/figures.json (`make figures` also renders README's table)."""
     console = Console(stderr=True)
     if name == "all":
-        return _bench_all(console, quick=quick, repeats=repeats, only=only, out=out, timeout_s=timeout_s or None)
-    if repeats != 1 or only is not None:
-        raise _fail(console, "--repeats and --only are options of `arborl bench all`")
+        return _bench_all(console, quick=quick, repeats=repeats, only=only, out=out, timeout_s=timeout_s or None,
+                          append=append)
+    if repeats != 1 or only is not None or append:
+        raise _fail(console, "--repeats, --only and --append are options of `arborl bench all`")
     try:
         run = get_benchmark(name)
     except KeyError:
@@ -69,7 +72,7 @@ def bench(
 
 
 def _bench_all(console: Console, *, quick: bool, repeats: int, only: Optional[str], out: Path,
-               timeout_s: float | None) -> None:
+               timeout_s: float | None, append: bool) -> None:
     import shlex
     import sys
 
@@ -81,7 +84,7 @@ def _bench_all(console: Console, *, quick: bool, repeats: int, only: Optional[st
         names = select(only)
         record = run_all(names, quick=quick, repeats=repeats, out=out, command=command, merge=only is not None,
                          say=lambda m: console.print(escape(m), highlight=False, soft_wrap=True),
-                         echo=lambda line: print(f"  | {line}", file=sys.stderr, flush=True), timeout_s=timeout_s)
+                         echo=lambda line: print(f"  | {line}", file=sys.stderr, flush=True), timeout_s=timeout_s, append=append)
     except RecordError as e:
         raise _fail(console, e) from None
     console.print(summary_table(record, names, out))

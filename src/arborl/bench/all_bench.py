@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ from rich.table import Table
 
 import arborl
 from arborl.bench import BENCHMARKS
-from arborl.bench.figures import summarize
+from arborl.bench.figures import spread, summarize
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 STDERR_TAIL = 8  # lines of a failed benchmark's stderr kept as its error
@@ -218,6 +219,30 @@ def _same_machine(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def kept_entries(out: Path, names: list[str], here: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
     """The entries of an existing record that this run does not redo, if it was made on this machine."""
+    return {k: v for k, v in recorded_entries(out, here, say).items() if k not in names}
+
+
+def appended(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A benchmark's entry with the runs of ``old`` (an earlier invocation) and ``new`` together: every
+    per-run list concatenated, each headline figure's median and spread over all values."""
+    entry = dict(new)
+    for key in ("exit_codes", "wall_s", "load_before", "load_after"):
+        entry[key] = list(old.get(key) or []) + list(new.get(key) or [])
+    entry["dates"] = list(old.get("dates") or [old.get("date")]) + [new.get("date")]
+    entry["repeats"] = int(old.get("repeats") or 0) + int(new.get("repeats") or 0)
+    entry["ok"] = bool(old.get("ok")) and bool(new.get("ok"))
+    entry["error"] = new.get("error") or old.get("error")
+    figures = {}
+    for label, fig in (new.get("figures") or {}).items():
+        values = list((old.get("figures") or {}).get(label, {}).get("values") or []) + list(fig.get("values") or [])
+        figures[label] = {**fig, "values": values, "median": statistics.median(values) if values else None,
+                          "spread": spread(values)}
+    entry["figures"] = figures
+    return entry
+
+
+def recorded_entries(out: Path, here: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """The benchmark entries of an existing record, if it was made on this machine."""
     if not out.exists():
         return {}
     try:
@@ -229,7 +254,7 @@ def kept_entries(out: Path, names: list[str], here: dict[str, Any], say: Callabl
         say(f"{out} was recorded on another machine ({old.get('machine', {}).get('cpu')}): "
             "its other entries are dropped")
         return {}
-    return {k: v for k, v in benches.items() if k not in names}
+    return dict(benches)
 
 
 def _write(out: Path, record: dict[str, Any]) -> None:
@@ -241,14 +266,17 @@ def _write(out: Path, record: dict[str, Any]) -> None:
 
 def run_all(names: list[str], *, quick: bool, repeats: int, out: Path, command: str, merge: bool,
             say: Callable[[str], None], echo: Callable[[str], None] | None = None,
-            timeout_s: float | None = None) -> dict[str, Any]:
+            timeout_s: float | None = None, append: bool = False) -> dict[str, Any]:
     """Run ``names`` (``repeats`` times each, one process a run, each killed past ``timeout_s``) and write
     the record to ``out`` after every benchmark, so an interrupted run keeps what finished. ``merge``:
-    keep the other benchmarks' entries of an existing ``out``. Returns the record."""
+    keep the other benchmarks' entries of an existing ``out``. ``append``: keep them all, and add this
+    run's values to the entries of the benchmarks it runs (a rerun's spread covers both invocations).
+    Returns the record."""
     if repeats < 1:
         raise RecordError(f"--repeats must be at least 1, not {repeats}")
     here = machine()
-    benches = kept_entries(out, names, here, say) if merge else {}
+    earlier = recorded_entries(out, here, say) if append else {}
+    benches = dict(earlier) if append else kept_entries(out, names, here, say) if merge else {}
     record: dict[str, Any] = {
         "command": command, "date": utc_now(), "machine": {**here, "load_before": load1(), "load_after": None},
         "versions": versions(), "quick": quick, "repeats": repeats, "benches": benches,
@@ -262,7 +290,10 @@ def run_all(names: list[str], *, quick: bool, repeats: int, out: Path, command: 
             attempts.append(a)
             say(f"    {'ok' if a.error is None else 'FAILED'} in {a.wall_s:.0f} s "
                 f"(load {a.load_before} -> {a.load_after})" + (f": {a.error.splitlines()[-1]}" if a.error else ""))
-        benches[name] = bench_entry(name, attempts, quick=quick, date=utc_now())
+        entry = bench_entry(name, attempts, quick=quick, date=utc_now())
+        if name in earlier and earlier[name].get("quick") == quick:
+            entry = appended(earlier[name], entry)
+        benches[name] = entry
         record["machine"]["load_after"] = load1()
         _write(out, record)
     return record
