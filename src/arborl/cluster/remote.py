@@ -147,7 +147,9 @@ class RemoteEngine:
             self.actor.abort.remote(request_id)
 
     async def pause(self, after_tokens: int = 0) -> int:
-        """The actor's ``AsyncEngine.pause``: returns once it stopped decoding."""
+        """The actor's ``AsyncEngine.pause``: returns once it stopped decoding. Cancelling the wait does
+        not withdraw it in the actor: the engine still pauses once the count is reached (``resume``
+        then)."""
         self._check()
         return await self._await(self.actor.pause.remote(after_tokens))
 
