@@ -180,10 +180,23 @@ def test_weight_update_changes_outputs_and_versions_in_flight(env):
 
     async def go():
         before = await eng.generate(GenerateRequest(PROMPT, greedy(16, ignore_eos=True)))
-        req = GenerateRequest(PROMPT, greedy(300, ignore_eos=True))
-        task = asyncio.ensure_future(eng.generate(req))
-        while not any(live for live in [eng._live.get(req.request_id)] if live and len(live.tokens) >= 3):
-            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as http:
+            for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
+                req = GenerateRequest(PROMPT, greedy(300, ignore_eos=True))
+                task = asyncio.ensure_future(eng.generate(req))
+                while not task.done() and not any(
+                        live for live in [eng._live.get(req.request_id)] if live and len(live.tokens) >= 3):
+                    await asyncio.sleep(0.01)
+                # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now is in
+                # flight when the update starts, whatever the machine's speed; the update's own pause and
+                # resume then let it go on under the new weights
+                assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200
+                if await _vllm_running(http, eng.url) > 0 and not task.done():
+                    break
+                await http.post(f"{eng.url}/resume", timeout=60)
+                await task
+            else:
+                raise AssertionError("the server finished every request before it could be paused")
         seconds = await eng.update_weights(new, v0 + 1)
         in_flight = await task
         after = await eng.generate(GenerateRequest(PROMPT, greedy(16, ignore_eos=True)))
