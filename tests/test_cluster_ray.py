@@ -25,7 +25,7 @@ from helpers.tiny_run import tiny_cfg  # noqa: E402
 
 from arborl.assemble import build_gateway  # noqa: E402
 from arborl.cluster import ClusterError, disaggregate  # noqa: E402
-from arborl.cluster.remote import RemoteEngine  # noqa: E402
+from arborl.cluster.remote import ActorEngine  # noqa: E402
 from arborl.config import SchedulingConfig  # noqa: E402
 from arborl.controller import Controller  # noqa: E402
 from arborl.engine.pool import EnginePool  # noqa: E402
@@ -61,7 +61,7 @@ def _greedy(prompt, n=12, rid=None):
 def test_two_engine_actors_serve_a_training_step(deployed):
     cfg, built, trainer = deployed
     engines = built.engines.engines
-    assert [type(e) for e in engines] == [RemoteEngine, RemoteEngine]
+    assert [type(e) for e in engines] == [ActorEngine, ActorEngine]
     assert len({e.pid for e in engines} | {os.getpid()}) == 3  # each engine in its own process
     pg = ray.util.placement_group_table(built.cluster.pg)
     assert pg["strategy"] == "SPREAD" and list(pg["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]

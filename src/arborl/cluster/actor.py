@@ -43,14 +43,16 @@ class EngineActor:
             loaded = dataclasses.replace(loaded, model=loaded.model.to(device))
         self.incarnation = uuid.uuid4().hex  # a restarted actor has a new one
         self.collective = ActorSide()  # cluster.weight_sync=collective
+        self.device = str(next(loaded.model.parameters()).device)
         self.engine = ENGINE_BACKENDS.get(config.engine.backend)(config, loaded, index=index, version=version)
+        self.engine_config = config.engine.model_copy(update={"engine_id": self.engine.engine_id})
 
     async def info(self) -> dict[str, Any]:
-        eng = self.engine.engine
+        eng, limits = self.engine, self.engine.limits
         return {"engine_id": eng.engine_id, "version": eng.version, "incarnation": self.incarnation, "pid": os.getpid(),
-                "vocab_size": int(eng.runner.vocab_size), "eos_token_ids": sorted(eng.eos_token_ids),
-                "config": eng.config.model_dump(mode="json"), "spec_stats": eng.spec_stats(),
-                "device": str(getattr(eng.runner, "device", "cpu")), "gpu_ids": _gpu_ids()}
+                "vocab_size": limits.vocab_size, "eos_token_ids": sorted(limits.eos_token_ids),
+                "config": self.engine_config.model_dump(mode="json"), "spec_stats": eng.spec_stats(),
+                "device": self.device, "gpu_ids": _gpu_ids()}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await self.engine.generate(request)
@@ -104,7 +106,7 @@ class EngineActor:
         else:  # a safetensors file: disk reads off the event loop
             state = await asyncio.to_thread(load_payload, payload)
         secs = await self.engine.update_weights(state, version)
-        return secs, self.engine.engine.spec_stats()
+        return secs, self.engine.spec_stats()
 
     async def join_collective(self, backend: str, host: str, port: int, epoch: int, rank: int, world: int,
                               timeout_s: float) -> None:
@@ -113,8 +115,7 @@ class EngineActor:
 
     async def receive_weights(self, epoch: int, version: int, layout: Layout) -> None:
         """Receive ``version`` from the driver's broadcast; ``update_weights`` then loads it."""
-        device = str(getattr(self.engine.engine.runner, "device", "cpu"))
-        await asyncio.to_thread(self.collective.receive, epoch, version, layout, device)
+        await asyncio.to_thread(self.collective.receive, epoch, version, layout, self.device)
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         return await self.engine.export_kv(tokens)

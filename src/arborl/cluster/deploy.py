@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from arborl.cluster.actor import EngineActor
-from arborl.cluster.remote import RemoteEngine
+from arborl.cluster.remote import ActorEngine
 from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg, start, stop
 from arborl.cluster.weights import WEIGHT_SYNC, WeightPublisher
 from arborl.config import Config
@@ -43,7 +43,7 @@ class RayDeployment:
         t0 = time.perf_counter()
         c = cfg.cluster
         self.cfg = cfg
-        self.engines: list[RemoteEngine] = []
+        self.engines: list[ActorEngine] = []
         self.pg = None
         self._loaded_ref = None  # kept alive: Ray rebuilds a restarted actor from it
         self.publisher = make_publisher(cfg, run_dir)
@@ -89,7 +89,7 @@ class RayDeployment:
                 ray.kill(a, no_restart=True)
             raise ClusterError(f"the engine actors were not ready within cluster.placement_timeout_s="
                                f"{c.placement_timeout_s:g} s") from None
-        self.engines = [RemoteEngine(a, info, self.publisher, max_restarts=c.max_restarts,
+        self.engines = [ActorEngine(a, info, self.publisher, max_restarts=c.max_restarts,
                                      rejoin_timeout_s=c.placement_timeout_s) for a, info in zip(actors, infos)]
         self.use_sync(self.publisher.sync)
 
@@ -106,7 +106,7 @@ class RayDeployment:
         dispatcher under Seer (or any non-pinned) dispatch."""
         for i, served in enumerate(pool.engines):
             e = getattr(served, "decode", served)  # a PD engine rejoins with its decode actor
-            if not isinstance(e, RemoteEngine):
+            if not isinstance(e, ActorEngine):
                 continue
             e.on_rejoin.append(lambda _e, i=i: pool.router.down.discard(i))
             if pool.dispatcher is not None:

@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import torch
 
-from arborl.engine.async_engine import TokenEvent
+from arborl.engine.face import EngineFace, EngineLimits, TokenEvent
 from arborl.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 class _Prefiller:
     """One prefill engine shared by several decode engines; weights load once per version."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
         self.lock = asyncio.Lock()
         self.counts = {"prefills": 0, "moved_tokens": 0, "fallbacks": 0}
@@ -44,11 +43,17 @@ class _Prefiller:
 class PDEngine:
     """``decode`` serves every request; ``prefill`` computes its prompt's KV first (see module doc)."""
 
-    def __init__(self, prefill: _Prefiller, decode: Any) -> None:
+    def __init__(self, prefill: _Prefiller, decode: EngineFace) -> None:
         self.prefiller = prefill
         self.decode = decode
         self.engine_id: str = decode.engine_id
-        self.engine = decode.engine  # config, EOS ids, vocabulary: the decode engine's
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.decode.limits
+
+    def spec_stats(self) -> dict[str, float]:
+        return self.decode.spec_stats()
 
     @property
     def version(self) -> int:
@@ -118,7 +123,7 @@ class PDEngine:
         self.prefiller.engine.shutdown()
 
 
-def disaggregate(engines: Sequence[Any], prefill_engines: int) -> list[Any]:
+def disaggregate(engines: Sequence[EngineFace], prefill_engines: int) -> list[EngineFace]:
     """The engines the pool places requests on: ``engines`` unchanged when ``prefill_engines`` is 0,
     else the last ones as decode engines, each fed by one of the first ``prefill_engines`` (round robin)."""
     from arborl.config import ConfigError

@@ -17,13 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from arborl.config import EngineConfig
-from arborl.engine.async_engine import EngineClosedError, TokenEvent
+from arborl.engine.face import EngineClosedError, EngineLimits, TokenEvent
 from arborl.cluster.collective import MissedBroadcast
 from arborl.cluster.weights import WeightPublisher
 from arborl.types import GenerateRequest, GenerateResult
@@ -31,24 +30,9 @@ from arborl.types import GenerateRequest, GenerateResult
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Runner:
-    vocab_size: int
-
-
-class EngineFacts:
-    """What the pool and the dispatcher read through ``engine``: its config, EOS ids, vocabulary."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.config = EngineConfig.model_validate(info["config"])
-        self.eos_token_ids = set(info["eos_token_ids"])
-        self.runner = _Runner(int(info["vocab_size"]))
-        self.engine_id = info["engine_id"]
-        self.spec = dict(info.get("spec_stats") or {})
-
-    def spec_stats(self) -> dict:
-        """Speculative-decoding counters as of the last weight update (empty when it is off)."""
-        return self.spec
+def _limits(info: dict[str, Any]) -> EngineLimits:
+    cfg = EngineConfig.model_validate(info["config"])
+    return EngineLimits(cfg.max_seq_len, cfg.max_batch_size, int(info["vocab_size"]), frozenset(info["eos_token_ids"]))
 
 
 def _actor_errors() -> tuple[type[BaseException], ...]:
@@ -57,11 +41,12 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError,)
 
 
-class RemoteEngine:
+class ActorEngine:
     def __init__(self, actor: Any, info: dict[str, Any], publisher: WeightPublisher, *, max_restarts: int,
                  rejoin_timeout_s: float) -> None:
         self.actor = actor
-        self.engine = EngineFacts(info)
+        self.limits = _limits(info)
+        self._spec: dict = dict(info.get("spec_stats") or {})
         self.engine_id: str = info["engine_id"]
         self.pid: int = info["pid"]
         self.device: str = info.get("device", "cpu")
@@ -70,7 +55,7 @@ class RemoteEngine:
         self.max_restarts = max_restarts
         self.rejoin_timeout_s = rejoin_timeout_s
         self.restarts = 0  # times Ray restarted its actor and it came back
-        self.on_rejoin: list[Callable[["RemoteEngine"], None]] = []
+        self.on_rejoin: list[Callable[["ActorEngine"], None]] = []
         self._version: int = info["version"]
         self._incarnation: str = info["incarnation"]
         self._in_flight = 0
@@ -101,6 +86,10 @@ class RemoteEngine:
 
     def load(self) -> int:
         return self._in_flight
+
+    def spec_stats(self) -> dict:
+        """Speculative-decoding counters as of the last weight update (empty when it is off)."""
+        return self._spec
 
     # -- serving ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -164,11 +153,11 @@ class RemoteEngine:
             return 0.0
         try:
             try:
-                secs, self.engine.spec = await self.actor.update_weights.remote(payload, version)
+                secs, self._spec = await self.actor.update_weights.remote(payload, version)
             except MissedBroadcast:  # it rejoined after the version's broadcast: its object-store copy
                 latest = await asyncio.to_thread(self.publisher.for_restart)
                 assert latest is not None
-                secs, self.engine.spec = await self.actor.update_weights.remote(*latest)
+                secs, self._spec = await self.actor.update_weights.remote(*latest)
                 version = latest[1]
         except self._errors as e:
             self._lost(e)
@@ -184,7 +173,7 @@ class RemoteEngine:
         self._check()
         return await self._await(self.actor.import_kv.remote(tokens, kv, version))
 
-    async def import_kv_from(self, source: "RemoteEngine", tokens: list[int]) -> int:
+    async def import_kv_from(self, source: "ActorEngine", tokens: list[int]) -> int:
         """Move the KV of ``tokens``' cached prefix from ``source``'s actor straight to this one's, through
         the object store (the driver only sees its version)."""
         source._check()

@@ -1,7 +1,9 @@
 """The built-in PyTorch inference engine (CPU and CUDA)."""
 
-from arborl.engine.async_engine import AsyncEngine, EngineClosedError, EngineError, TokenEvent
+from arborl.engine.async_engine import AsyncEngine
+from arborl.engine.face import EngineClosedError, EngineError, EngineFace, EngineLimits, TokenEvent
 from arborl.engine.engine import LLMEngine
 from arborl.models.forward import UnsupportedModelError
 
-__all__ = ["AsyncEngine", "EngineClosedError", "EngineError", "LLMEngine", "TokenEvent", "UnsupportedModelError"]
+__all__ = ["AsyncEngine", "EngineClosedError", "EngineError", "EngineFace", "EngineLimits", "LLMEngine", "TokenEvent",
+           "UnsupportedModelError"]

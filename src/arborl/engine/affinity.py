@@ -13,19 +13,11 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Protocol
-
-from arborl.engine.async_engine import EngineClosedError
-
-
-class Routable(Protocol):
-    engine_id: str
-
-    def load(self) -> int: ...
+from arborl.engine.face import EngineClosedError, EngineFace
 
 
 class AffinityRouter:
-    def __init__(self, engines: Sequence[Routable], affinity_max_load: int) -> None:
+    def __init__(self, engines: Sequence[EngineFace], affinity_max_load: int) -> None:
         if not engines:
             raise ValueError("a gateway needs at least one engine")
         self.engines = list(engines)

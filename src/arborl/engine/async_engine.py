@@ -13,37 +13,21 @@ caller gets "a request in flight with k tokens" as an event, whatever the machin
 from __future__ import annotations
 
 import asyncio
-import threading
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
-
 import logging
+import threading
+from typing import AsyncIterator, Callable
 
 import torch
 
 from arborl.engine.engine import LLMEngine
+from arborl.engine.face import EngineClosedError, EngineError, EngineLimits, TokenEvent
 from arborl.engine.sequence import Sequence
-from arborl.types import ArborlError, GenerateRequest, GenerateResult
+from arborl.types import GenerateRequest, GenerateResult
 
 
 log = logging.getLogger(__name__)
 
-
-class EngineError(ArborlError, RuntimeError):
-    """The engine failed while serving a request (the request is lost, the engine is not)."""
-
-
-class EngineClosedError(EngineError):
-    """The engine was shut down."""
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprob: float
-    sample_logprob: float
-    version: int
-    index: int  # position in the completion
+__all__ = ["AsyncEngine", "EngineClosedError", "EngineError", "TokenEvent"]  # the face's types, re-exported
 
 
 class AsyncEngine:
@@ -71,6 +55,13 @@ class AsyncEngine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def spec_stats(self) -> dict[str, float]:
+        return self.engine.spec_stats()
 
     @property
     def paused(self) -> bool:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from arborl.engine.async_engine import AsyncEngine, EngineClosedError, TokenEvent
+from arborl.engine.face import EngineClosedError, EngineFace, TokenEvent
 from arborl.rollout.partial import continuation, merge
 from arborl.rollout.policies import Assignment, RequestSpec
 from arborl.rollout.timeline import Timeline
@@ -67,7 +67,7 @@ class _Live:
 class Dispatcher:
     """Engine requests through a dispatch policy over ``engines``; see the module docstring."""
 
-    def __init__(self, engines: Sequence[AsyncEngine], policy, *, migration: str = "transfer") -> None:
+    def __init__(self, engines: Sequence[EngineFace], policy, *, migration: str = "transfer") -> None:
         if not engines:
             raise ValueError("a dispatcher needs at least one engine")
         if migration not in ("transfer", "recompute"):
@@ -221,7 +221,7 @@ class Dispatcher:
         if eng.closed and i not in self._down:
             self._mark_down(i)
         # our own count: the engine's lags behind a finished piece, and nothing else feeds these engines
-        return i not in self._down and self._pieces[i] < eng.engine.config.max_batch_size
+        return i not in self._down and self._pieces[i] < eng.limits.max_batch_size
 
     def _mark_down(self, i: int) -> None:
         """Engine ``i`` shut down: the policy sends nothing more there; with no engine left, every
@@ -388,7 +388,7 @@ class Dispatcher:
             result.finish_reason == FinishReason.LENGTH
             and (
                 len(result.token_ids) < piece.params.max_tokens  # the engine's context is full ...
-                or len(piece.prompt_token_ids) + len(result.token_ids) >= self.engines[i].engine.config.max_seq_len
+                or len(piece.prompt_token_ids) + len(result.token_ids) >= self.engines[i].limits.max_seq_len
                 or generated >= live.request.params.max_tokens
             )
         )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from arborl.config import EngineConfig
+from arborl.engine.face import EngineLimits, StopRules
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
@@ -90,6 +91,10 @@ class LLMEngine:
             model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights,
             row_kernel_max_rows=config.cpu_row_kernel_max_rows, attention=config.attention,
         )
+        self.limits = EngineLimits(config.max_seq_len, config.max_batch_size, int(self.runner.vocab_size),
+                                   frozenset(self.eos_token_ids))
+        decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        self.stop_rules = StopRules(self.limits.eos_token_ids, config.max_seq_len, decode)
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
         self._rng = torch.Generator().manual_seed(seed)
         self._arrivals = 0
@@ -102,9 +107,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
-        request.validate(self.runner.vocab_size, self.config.max_seq_len)
-        if request.params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        self.limits.check(request, can_decode=self.tokenizer is not None)
         if request.request_id in self._by_id:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         seed = request.params.seed
@@ -353,7 +356,7 @@ class LLMEngine:
             for tok, lp, slp in zip(acc.tokens, acc.logprobs, acc.sample_logprobs):
                 seq.append(tok, lp, slp, self.version)
                 self.stats.generated_tokens += 1
-                reason = self._stop_reason(seq, tok)
+                reason = self.stop_rules.reason(seq.request, seq.output, tok)
                 if seq.on_token is not None:
                     seq.on_token(seq)
                 if reason is not None:
@@ -371,31 +374,13 @@ class LLMEngine:
             tok = out.tokens[i]
             seq.append(tok, out.logprobs[i], out.sample_logprobs[i], self.version)
             self.stats.generated_tokens += 1
-            reason = self._stop_reason(seq, tok)
+            reason = self.stop_rules.reason(seq.request, seq.output, tok)
             if seq.on_token is not None:
                 seq.on_token(seq)
             if reason is not None:
                 seq.finish_reason = reason
                 self._release(seq)
                 finished.append(seq)
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
-        p = seq.request.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return FinishReason.STOP
-        if p.stop and self._hit_stop_string(seq):
-            return FinishReason.STOP
-        if len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.config.max_seq_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        stops = seq.request.params.stop
-        window = max(len(s) for s in stops) + 4  # tokens: every token decodes to >= 0 chars
-        toks = seq.tokens
-        start = len(seq.request.prompt_token_ids) - seq.request.continued  # a continuation's earlier pieces count
-        tail = self.tokenizer.decode(toks[max(start, len(toks) - window):], skip_special_tokens=False)
-        return any(s in tail for s in stops)
 
     def _release(self, seq: Sequence) -> None:
         """Take ``seq`` out of the running batch, cache its KV, compact the slots."""

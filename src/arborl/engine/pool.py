@@ -16,33 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from arborl.config import SchedulingConfig
 from arborl.engine.affinity import AffinityRouter
-from arborl.engine.async_engine import AsyncEngine, TokenEvent
 from arborl.engine.dispatcher import Dispatcher
+from arborl.engine.face import EngineFace, RequestFace
 from arborl.rollout.dispatch import make_dispatch
-from arborl.types import GenerateRequest, GenerateResult
-
-
-class EngineHandle(Protocol):
-    """What a gateway request talks to: one engine, or the dispatcher on behalf of a group."""
-
-    engine_id: str
-
-    @property
-    def version(self) -> int: ...
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
-
-    def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | GenerateResult]: ...
-
-    def abort(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -51,7 +35,7 @@ class Lease:
     affinity placement (the session remembers it), None under dispatch. ``release`` once the request
     ended; ``lost`` when the engine turned out to be shut down."""
 
-    engine: EngineHandle
+    engine: RequestFace
     how: str  # affinity | new | fallback | dispatch
     index: int | None
     pool: "EnginePool"
@@ -69,7 +53,7 @@ class Lease:
 class EnginePool:
     """Engines serving one policy, and the placement of every request over them."""
 
-    def __init__(self, engines: Sequence[AsyncEngine], *, affinity_max_load: int = 8,
+    def __init__(self, engines: Sequence[EngineFace], *, affinity_max_load: int = 8,
                  dispatcher: Dispatcher | None = None, abort_resume: bool = False) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
@@ -79,7 +63,7 @@ class EnginePool:
         self.abort_resume = abort_resume and dispatcher is not None
 
     @classmethod
-    def from_config(cls, engines: Sequence[AsyncEngine], sched: SchedulingConfig, *, affinity_max_load: int = 8) -> "EnginePool":
+    def from_config(cls, engines: Sequence[EngineFace], sched: SchedulingConfig, *, affinity_max_load: int = 8) -> "EnginePool":
         """Affinity placement unless the scheduling knobs need the dispatcher (Seer dispatch, or
         abort-and-resume partial rollout)."""
         dispatcher = None
@@ -91,15 +75,15 @@ class EnginePool:
     # -- what the gateway needs to know ------------------------------------------------------------
     @property
     def max_seq_len(self) -> int:
-        return min(e.engine.config.max_seq_len for e in self.engines)
+        return min(e.limits.max_seq_len for e in self.engines)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.engines[0].engine.runner.vocab_size)
+        return self.engines[0].limits.vocab_size
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return list(self.engines[0].engine.eos_token_ids)
+        return sorted(self.engines[0].limits.eos_token_ids)
 
     @property
     def version(self) -> int:
@@ -127,12 +111,12 @@ class EnginePool:
     # -- observing ---------------------------------------------------------------------------------
     def engine_rows(self) -> list[dict[str, Any]]:
         return [{"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down,
-                 **_spec_stats(e)} for i, e in enumerate(self.engines)]
+                 **e.spec_stats()} for i, e in enumerate(self.engines)]
 
     def spec_stats(self) -> dict[str, float]:
         """Speculative decoding over every engine (counters summed); empty when it is off."""
         from arborl.engine.spec.metrics import combine
-        return combine([_spec_stats(e) for e in self.engines])
+        return combine([e.spec_stats() for e in self.engines])
 
     def dispatch_stats(self) -> dict[str, float]:
         """The dispatcher's counters (pieces, migrations, resumed, ...); empty under affinity placement."""
@@ -142,8 +126,3 @@ class EnginePool:
         for e in self.engines:
             e.shutdown()
 
-
-def _spec_stats(e: Any) -> dict:
-    """An engine's speculative-decoding counters ({} when off, or for a backend without them)."""
-    fn = getattr(getattr(e, "engine", None), "spec_stats", None)
-    return fn() if callable(fn) else {}

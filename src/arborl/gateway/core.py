@@ -57,7 +57,7 @@ class SessionInfo:
 class Gateway:
     """Sessions, routing, prompt building, recording. See the module docstring.
 
-    ``engines``: AsyncEngines serving the same policy. ``tokenizer`` may be None for a model
+    ``engines``: engines (``engine.face.EngineFace``) serving the same policy. ``tokenizer`` may be None for a model
     without one (then only token-in requests work). The admin key is ``admin_key``, else
     ``$ARBORL_ADMIN_KEY``, else ``config.admin_key``, else a random one (``self.admin_key``).
     """

@@ -1,10 +1,12 @@
-"""The one decoder forward arborl runs, for inference and for training.
+"""The shared decoder forward, for training and for inference.
 
 It drives a Hugging Face decoder's own modules (Llama / Qwen2 / Qwen3 / Mistral layout:
 embeddings, norms, q/k/v/o projections, MLPs, rotary embedding, LM head) and leaves only attention
 to the caller, through ``make_attend(layer) -> attend(q, k, v)``: the engine attends over its KV
 slots, tree packing attends under an ancestor mask. Sharing this code keeps the trainer's and the
-engine's numbers the same.
+engine's numbers the same. The engine's CPU default for a Llama-layout model is a second, leaner
+forward over packed weights (``engine/packed_forward.py``); ``tests/test_engine_perf.py`` ties its
+logits to this one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Engine backends: what serves the policy behind the engine pool (docs/backends.md).
 
 ``ENGINE_BACKENDS`` maps ``engine.backend`` to a factory ``f(cfg, loaded, *, index, version) ->
-EngineBackend``: ``builtin`` (arborl's own engine, in process), ``vllm`` (vLLM's server, supervised)
+EngineFace``: ``builtin`` (arborl's own engine, in process), ``vllm`` (vLLM's server, supervised)
 and ``sglang`` (SGLang's server, CUDA only). The pool, the dispatcher and the gateway use every one
-the same way (``base.EngineBackend``).
+the same way, through ``engine/face.EngineFace``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import copy
 from typing import TYPE_CHECKING
 
 from arborl.engine.async_engine import AsyncEngine
-from arborl.engine.backends.base import BackendError, EngineBackend, ServerUnavailableError
+from arborl.engine.backends.base import BackendError, ServerUnavailableError
 from arborl.engine.engine import LLMEngine
+from arborl.engine.face import EngineFace
 from arborl.models.quantize import to_serving_dtype
 from arborl.registry import Registry
 
@@ -40,7 +41,7 @@ def builtin(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: in
 
 
 @ENGINE_BACKENDS.register("vllm")
-def vllm(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineBackend:
+def vllm(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineFace:
     """vLLM's OpenAI-compatible server on a copy of ``loaded.model`` written to disk (engine.vllm)."""
     from arborl.engine.backends.vllm import VLLMEngine
 
@@ -48,14 +49,14 @@ def vllm(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int =
 
 
 @ENGINE_BACKENDS.register("sglang")
-def sglang(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineBackend:
+def sglang(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: int = 0) -> EngineFace:
     """SGLang's server on a copy of ``loaded.model`` written to disk (engine.sglang); CUDA only."""
     from arborl.engine.backends.sglang import SGLangEngine
 
     return SGLangEngine(cfg, loaded, index=index, version=version)
 
 
-def build_engines(cfg: "Config", loaded: "LoadedModel", *, version: int = 0) -> list[EngineBackend]:
+def build_engines(cfg: "Config", loaded: "LoadedModel", *, version: int = 0) -> list[EngineFace]:
     """``gateway.num_engines`` engines of ``engine.backend``; the ones started are shut down if a later one fails."""
     factory = ENGINE_BACKENDS.get(cfg.engine.backend)
     engines: list = []
@@ -69,4 +70,4 @@ def build_engines(cfg: "Config", loaded: "LoadedModel", *, version: int = 0) -> 
     return engines
 
 
-__all__ = ["ENGINE_BACKENDS", "BackendError", "EngineBackend", "ServerUnavailableError", "build_engines"]
+__all__ = ["ENGINE_BACKENDS", "BackendError", "ServerUnavailableError", "build_engines"]

@@ -27,8 +27,8 @@ import httpx
 import torch
 
 from arborl.config import EngineConfig
-from arborl.engine.async_engine import EngineClosedError, TokenEvent
-from arborl.engine.backends.base import BackendError, EngineFacts, ServerUnavailableError
+from arborl.engine.backends.base import BackendError, ServerUnavailableError
+from arborl.engine.face import EngineClosedError, EngineLimits, StopRules, TokenEvent
 from arborl.engine.backends.server import ServerProcess
 from arborl.seeding import derive_seed
 from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError, SamplingParams
@@ -79,7 +79,7 @@ class _Live:
     task: asyncio.Task | None = None  # the segment reading from the server now
 
 
-class RemoteEngine(ABC):
+class ServerEngine(ABC):
     """An engine backed by a supervised server. Subclasses say how to start it (``argv``), how to
     stream one segment (``stream_segment``) and how to load weights from a directory (``load_weights``)."""
 
@@ -88,8 +88,11 @@ class RemoteEngine(ABC):
     def __init__(self, config: EngineConfig, *, eos_token_ids: list[int], vocab_size: int, tokenizer,
                  version: int, logprobs_kind: str) -> None:
         self.engine_id = config.engine_id
-        self.engine = EngineFacts(config, list(eos_token_ids), int(vocab_size))
+        self.config = config
+        self.limits = EngineLimits(config.max_seq_len, config.max_batch_size, int(vocab_size), frozenset(eos_token_ids))
         self.tokenizer = tokenizer
+        decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        self.stop_rules = StopRules(self.limits.eos_token_ids, config.max_seq_len, decode)
         self.logprobs_kind = logprobs_kind  # "sample" or "raw": which one the server's log-probs are
         self._version = version
         self._closed = False
@@ -131,6 +134,10 @@ class RemoteEngine(ABC):
 
     def load(self) -> int:
         return len(self._live)
+
+    def spec_stats(self) -> dict[str, float]:
+        """arborl's own speculative decoding does not run in an external server (see its own options)."""
+        return {}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         live = self._admit(request, stream=False)
@@ -235,9 +242,7 @@ class RemoteEngine(ABC):
     def _admit(self, request: GenerateRequest, *, stream: bool) -> _Live:
         if self._closed:
             raise EngineClosedError("engine is shut down")
-        request.validate(self.engine.vocab_size, self.engine.config.max_seq_len)
-        if request.params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        self.limits.check(request, can_decode=self.tokenizer is not None)
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         live = _Live(request, asyncio.Queue() if stream else None)
@@ -296,15 +301,15 @@ class RemoteEngine(ABC):
     def _next_segment(self, live: _Live) -> Segment | None:
         req, p = live.request, live.request.params
         tokens = req.prompt_token_ids + live.tokens
-        room = min(p.max_tokens - len(live.tokens), self.engine.config.max_seq_len - len(tokens))
+        room = min(p.max_tokens - len(live.tokens), self.limits.max_seq_len - len(tokens))
         if room <= 0:
             return None
-        stops = ([] if p.ignore_eos else list(self.engine.eos_token_ids)) + list(p.stop_token_ids)
+        stops = self.stop_rules.stop_token_ids(p)
         seed = p.seed if p.seed is None or not live.tokens else derive_seed(p.seed, len(live.tokens))
         live.segments += 1
         self.counts["segments"] += 1
         sid = req.request_id if live.segments == 1 else f"{req.request_id}~{live.segments - 1}"
-        return Segment(sid, tokens, room, p, list(dict.fromkeys(stops)), seed)
+        return Segment(sid, tokens, room, p, stops, seed)
 
     async def _read(self, live: _Live, seg: Segment, version: int) -> None:
         """Take the segment's tokens as they come; ends when the server finishes it or a stop string hits."""
@@ -327,7 +332,7 @@ class RemoteEngine(ABC):
                         live.first_token = time.perf_counter()
                     if live.queue is not None:
                         live.queue.put_nowait(TokenEvent(int(tok), raw, sample, version, len(live.tokens) - 1))
-                    reason = self._stop_reason(live, int(tok))
+                    reason = self.stop_rules.reason(live.request, live.tokens, int(tok))
                     if reason is not None:
                         live.finish = reason
                         return
@@ -353,26 +358,6 @@ class RemoteEngine(ABC):
             return lp, 0.0, True  # a greedy row's processed log-probs are the raw ones in vLLM and SGLang
         same = p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
         return lp, lp, same
-
-    def _stop_reason(self, live: _Live, tok: int) -> FinishReason | None:
-        p = live.request.params
-        if (tok in self.engine.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return FinishReason.STOP
-        if p.stop and self._hit_stop_string(live):
-            return FinishReason.STOP
-        total = len(live.request.prompt_token_ids) + len(live.tokens)
-        if len(live.tokens) >= p.max_tokens or total >= self.engine.config.max_seq_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _hit_stop_string(self, live: _Live) -> bool:
-        req = live.request
-        stops = req.params.stop
-        window = max(len(s) for s in stops) + 4  # tokens: every token decodes to >= 0 chars
-        toks = req.prompt_token_ids + live.tokens
-        start = len(req.prompt_token_ids) - req.continued
-        tail = self.tokenizer.decode(toks[max(start, len(toks) - window):], skip_special_tokens=False)
-        return any(s in tail for s in stops)
 
     def _server_finish(self, live: _Live, reason: str) -> FinishReason:
         if reason == "length":

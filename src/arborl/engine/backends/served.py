@@ -16,7 +16,7 @@ import httpx
 from arborl.config import Config
 from arborl.engine.backends.base import BackendError
 from arborl.engine.backends.model_dir import ModelDirs, default_work_dir
-from arborl.engine.backends.remote import RemoteEngine
+from arborl.engine.backends.remote import ServerEngine
 from arborl.engine.backends.server import ServerProcess, free_port
 from arborl.models import LoadedModel
 from arborl.types import InvalidRequestError
@@ -32,7 +32,7 @@ class ServerSettings(Protocol):
     max_restarts: int
 
 
-class ServedEngine(RemoteEngine):
+class ServedEngine(ServerEngine):
     label = "server"  # the server's name in error messages
 
     def __init__(self, cfg: Config, loaded: LoadedModel, settings: ServerSettings, *, python: str, index: int,

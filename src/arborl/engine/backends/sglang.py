@@ -1,6 +1,6 @@
 """engine.backend=sglang: SGLang's server as an arborl engine, CUDA only (docs/backends.md).
 
-Same shape as the vLLM backend (``remote.RemoteEngine``): the serving model is written to a work
+Same shape as the vLLM backend (``remote.ServerEngine``): the serving model is written to a work
 directory, ``python -m sglang.launch_server`` runs on it with ``--skip-tokenizer-init``, supervised.
 Requests go to ``/generate`` with ``input_ids``, ``return_logprob`` and ``stream``; a stream chunk's
 ``meta_info.completion_tokens`` says how many tokens exist so far, so the new ones are the tail of
