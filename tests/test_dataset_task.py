@@ -238,7 +238,7 @@ def test_eval_sample_chooses_which_rows_are_evaluated(files):
     assert sorted(sources([t.task_id for t in suite.tasks("eval", 4)])) == ["gsm", "gsm", "gsm", "logic"]  # 6:2 -> 3:1
     assert len(suite.tasks("eval", 100)) == len(rows)
 
-    with pytest.raises(ConfigError, match=r"eval_sample=stratified needs rollout\.data\.eval_stratify_key"):
+    with pytest.raises(ConfigError, match=r"rollout\.data: eval_sample=stratified needs eval_stratify_key, the column"):
         load_config(None, ["rollout.data.eval_sample=stratified"])
     with pytest.raises(DatasetError, match=r"rollout\.data\.eval_stratify_key: 3 of 3 rows of .*eval\.jsonl have no "
                                            r"column 'source' \(first: data-eval-0\)"):

@@ -602,8 +602,8 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _strata_named(self) -> "DataConfig":
         if self.eval_sample == "stratified" and not self.eval_stratify_key:
-            raise ValueError("rollout.data.eval_sample=stratified needs rollout.data.eval_stratify_key: the column "
-                             "whose values are the strata (e.g. the source of each row)")
+            raise ValueError("eval_sample=stratified needs eval_stratify_key, the column whose values are the strata "
+                             "(e.g. the source of each row)")
         return self
 
 
@@ -1081,6 +1081,9 @@ def _format_errors(err: ValidationError) -> str:
             continue
         if e["type"] == "extra_forbidden":
             reason = f"unknown key ({_did_you_mean(path)}see docs/knobs.md for the valid keys)"
+        if e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across a section's knobs
+            lines.append(f"{path}: {reason.removeprefix('Value error, ')}")
+            continue
         lines.append(f"{path}: {reason} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
