@@ -124,19 +124,17 @@ def test_a_start_that_fails_before_its_first_step_leaves_no_run_and_the_same_com
     assert failed.exit_code == 2 and "strict raised on task data-eval-0" in failed.output, failed.output
     assert not run.exists()
 
-    # what a start killed before its first step leaves (its config, an evaluation, its data pool) is replaced too
+    # a folder of the user's under the run's name: a failed start removes only what it wrote
     run.mkdir()
-    (run / "config.yaml").write_text("name: byo\n")
-    (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "eval_success": 0.123}) + "\n")
-    DataPool(run / "datapool.sqlite").close()
     (run / "notes.txt").write_text("mine")
+    again = runner.invoke(app, ["train", *set_args([*args, f"rollout.data.reward_function={data}/reward.py:strict"])])
+    assert again.exit_code == 2 and sorted(p.name for p in run.iterdir()) == ["notes.txt"], again.output
 
     fixed = runner.invoke(app, ["train", *set_args([*args, f"rollout.data.reward_function={data}/reward.py:fixed"])])
     assert fixed.exit_code == 0, fixed.output
-    assert "holds only what an earlier start left before its first step: replacing it" in fixed.output
-    assert _steps(run) == [1] and _checkpoint_step(run) == 1
-    assert "0.123" not in (run / "metrics.jsonl").read_text() and (run / "notes.txt").read_text() == "mine"
+    assert _steps(run) == [1] and _checkpoint_step(run) == 1 and (run / "notes.txt").read_text() == "mine"
     assert "reward.py:fixed" in (run / "config.yaml").read_text()
+
 
 EPISODES_PER_STEP = 16  # rollout.batch_tasks x rollout.group_size of the tiny job
 

@@ -118,11 +118,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         version = extra.get("version", start_step)
         serving.load_state_dict(trainer.engine_state())
 
-    # every check passed: only now is the run directory written. A new run replaces what an earlier start
-    # that never finished a step left there (check_new passed: no step logged, no checkpoint); one that
-    # fails before its first step takes its outputs and directory away again, so the same command reruns
-    if not resume and not overwrite and run.leftovers():
-        _say(console, f"  {run.path} holds only what an earlier start left before its first step: replacing it")
+    # every check passed: only now is the run directory written; a new run that fails before its first
+    # step takes its outputs and the directory away again, so the same command reruns as it is
     with run.starting(fresh=not resume):
         # metrics.jsonl and the trackers of report.loggers
         metrics = RunLoggers(cfg.report.loggers, run.path, cfg.name, cfg.model_dump(mode="json"))

@@ -60,25 +60,21 @@ class RunDir:
         return max((r.get("step", 0) for r in rows if r.get("kind") == "step"), default=0)
 
     def holds_run(self) -> bool:
-        """A checkpoint or a logged step: what a new run must not mix with. A start that stopped before its
-        first step (killed, or its clean-up could not run) left nothing to keep, and a new run replaces it."""
-        return self.has_checkpoint() or self.logged_steps() > 0
+        """A checkpoint, a logged step or a data pool (``arborl serve`` records sessions there too): what a new
+        run must not mix with or delete."""
+        return self.has_checkpoint() or self.logged_steps() > 0 or self.datapool_file.exists()
 
     def _outputs(self) -> list[Path]:
         pool = self.datapool_file
         names = [*OUTPUTS, pool.name, pool.name + "-wal", pool.name + "-shm"]
         return [self.path / n for n in names] + list(self.path.glob(".checkpoint.*"))
 
-    def leftovers(self) -> list[Path]:
-        """The run outputs that are in the directory."""
-        return [p for p in self._outputs() if p.exists()]
-
     @contextlib.contextmanager
     def starting(self, *, fresh: bool) -> Iterator[None]:
-        """The directory, made for a start; ``fresh`` (not a resume): an earlier run's outputs are deleted
-        first (check_new passed, or --overwrite), and when the start fails before it has logged a step or
-        saved a checkpoint, what it wrote and the directories it made are removed again, so the same command
-        runs again as it is."""
+        """The directory, made for a start. ``fresh`` (not a resume): what an earlier run wrote there is
+        deleted first (--overwrite; or check_new passed, so at most a config.yaml or evaluations without a
+        data pool), and when the start fails before it has logged a step or saved a checkpoint, what it
+        wrote and the directories it made are removed again, so the same command runs again as it is."""
         made = [d for d in (self.path, *self.path.parents) if not d.exists()]  # deepest first
         if fresh:
             self.clear()
@@ -86,7 +82,7 @@ class RunDir:
         try:
             yield
         except BaseException:
-            if fresh and not self.holds_run():
+            if fresh and not self.has_checkpoint() and self.logged_steps() == 0:  # its data pool is its own
                 self.clear()
                 for d in made:
                     try:
