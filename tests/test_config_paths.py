@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from arborl.cli import app
-from arborl.config import Config, ConfigError, known_keys, load_config
+from arborl.config import ConfigError, known_keys, load_config
 from arborl.config_paths import PATH_KNOBS
 from arborl.extensions import REGISTRY_KNOBS
 
@@ -103,7 +103,7 @@ def test_set_gives_a_list_knob_one_item_as_it_is():
     assert two == [str(Path.cwd() / "a.jsonl"), "/data/b.jsonl"]
     with pytest.raises(ConfigError, match=r"rollout\.max_turns: .*integer"):  # a scalar knob is still checked
         load_config(None, ["rollout.max_turns=[1]"])
-    assert Config().rollout.data.train_files == []
+    assert load_config(None, ["report.loggers=", "rollout.data.eval_files="]).report.loggers == []
 
 
 @pytest.mark.parametrize("change, error", [

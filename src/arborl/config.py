@@ -1118,7 +1118,8 @@ def _list_knob(parts: list[str]) -> bool:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``--set`` overrides on top of ``data``: a relative path is the working directory's, and a single
-    value given for a list knob is a one-item list (``--set rollout.data.train_files=a.jsonl``)."""
+    value given for a list knob is a one-item list (``--set rollout.data.train_files=a.jsonl``; an empty
+    one, ``key=``, the empty list)."""
     for item in overrides:
         parts, value = parse_override(item)
         node = data
@@ -1128,7 +1129,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node = child
         if value is not None and not isinstance(value, (list, dict)) and _list_knob(parts):
-            value = [value]
+            value = [value] if value != "" else []  # `key=` empties the list
         node[parts[-1]] = resolve_value(".".join(parts), value, Path.cwd())
     return data
 

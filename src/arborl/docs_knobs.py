@@ -52,7 +52,7 @@ def render() -> str:
         "A `--set` value is YAML: `--set rollout.eval_tasks=16`, `--set rollout.data.system_prompt='Be brief.'`. A",
         "list knob takes one item as it is (`--set rollout.data.train_files=a.jsonl`) or several in brackets,",
         "quoted for the shell: `--set 'rollout.data.train_files=[a.jsonl, b.jsonl]'` (`report.loggers` and",
-        "`sim.policies` also take `a,b`). A whole section is a YAML mapping: `--set 'rollout.data={prompt_key: q}'`.",
+        "`sim.policies` also take `a,b`; `--set rollout.data.eval_files=` is the empty list).",
         "",
         "Paths (data files, the reward file of `file.py:attr`, model and cache directories, `runs_dir`, ...): a",
         "relative path in a config file is taken from that file's folder, one given with `--set` from the working",
