@@ -61,6 +61,8 @@ def test_a_config_files_paths_are_its_folders_and_set_paths_the_working_director
     assert cfg.model.path == str(task / "no-model") and cfg.run_dir == task / "runs" / "byo"
 
     here = Path.cwd()
+    with pytest.raises(ConfigError, match=f"config file {here.parent}/task/missing.yaml does not exist"):
+        load_config("../task/missing.yaml")
     cfg = load_config(task / "config.yaml", ["rollout.data.train_files=[mine.jsonl]", "model.path=../m",
                                              "rollout.data.reward_function=r.py:f", "runs_dir=out"])
     assert cfg.rollout.data.train_files == [str(here / "mine.jsonl")]

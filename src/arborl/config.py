@@ -7,6 +7,7 @@ generated from these models by ``python -m arborl.docs_knobs``.
 from __future__ import annotations
 
 import difflib
+import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -1153,7 +1154,7 @@ def load_data(path: str | Path | None = None, overrides: list[str] | None = None
     written), one given by ``--set`` the working directory's (config_paths.py)."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = Path(os.path.abspath(Path(path).expanduser()))  # errors name the file as resolved
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
@@ -1164,7 +1165,7 @@ def load_data(path: str | Path | None = None, overrides: list[str] | None = None
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded or {}
         if relative_to_file:
-            data = resolve_paths(data, p.absolute().parent)
+            data = resolve_paths(data, p.parent)
     return apply_overrides(data, overrides or [])
 
 
