@@ -13,10 +13,10 @@ def test_defaults_file_and_overrides(tmp_path: Path):
     assert cfg.name == "exp1" and cfg.engine.max_batch_size == 4 and cfg.engine.max_seq_len == 128
     assert cfg.engine.prefix_cache is False and cfg.model.source == "tiny"
     assert cfg.run_dir == Path("runs/exp1")
-    # a dumped config loads back to the same tree
+    # a dumped config loads back to the same tree, its relative paths (the working directory's) made absolute
     g = tmp_path / "d.yaml"
     g.write_text(dump_config(cfg))
-    assert load_config(g) == cfg
+    assert load_config(g) == cfg.model_copy(update={"runs_dir": str(Path.cwd() / "runs")})
 
 
 @pytest.mark.parametrize(

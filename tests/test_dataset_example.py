@@ -28,13 +28,13 @@ def _text(prompt) -> str:
 
 
 def test_the_dataset_example_trains_on_its_prompts_scored_by_its_reward(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)  # the config's paths are relative to the repository root
+    monkeypatch.chdir(tmp_path)  # the config's paths are its folder's (configs/): it runs from any folder
     cfg = load_config(REPO / "configs/dataset.yaml", [
         f"runs_dir={tmp_path}", *TINY, "rollout.steps=2", "rollout.batch_tasks=2", "rollout.group_size=2",
         "rollout.max_tokens=6", "rollout.eval_tasks=1", "train.lr=0.05"])
     summary = train(cfg)
     assert summary["steps"] == 2
-    reward = load_object("examples/capitals/reward.py:reward")
+    reward = load_object(f"{REPO}/examples/capitals/reward.py:reward")
     train_rows, eval_rows = _rows("train.jsonl"), _rows("eval.jsonl")
     tokenizer = load_model(cfg.model).tokenizer
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:

@@ -11,7 +11,7 @@ import pytest
 
 from arborl.agents import ReActAgent
 from arborl.agents.base import AgentOutcome
-from arborl.config import ConfigError, DataConfig, RolloutConfig
+from arborl.config import ConfigError, DataConfig, RolloutConfig, load_config
 from arborl.tasks import DatasetError, DatasetSuite, RewardFunctionError, make_suite
 
 ROWS = [
@@ -206,3 +206,40 @@ def test_registered_as_dataset_and_built_from_the_rollout_section(files):
     assert suite.name == "dataset" and suite.rollout is rollout and isinstance(suite.suite, DatasetSuite)
     assert suite.agent({}).max_turns == 2  # rollout.max_turns
     assert suite.train[0].task_id == "data-train-0"  # other attributes reach the suite
+
+
+def test_eval_sample_chooses_which_rows_are_evaluated(files):
+    # a held-out file that mixes two sources, the first one's rows first: the case
+    rows = [{"question": f"{src} {i}?", "answer": str(i), "level": 0, "source": src}
+            for src, count in (("gsm", 6), ("logic", 2)) for i in range(count)]
+    _jsonl(files / "mixed.jsonl", rows)
+
+    def chosen(**kw) -> list[str]:
+        suite = DatasetSuite(_data(files, eval_files=[str(files / "mixed.jsonl")], **kw), eval_tasks=2)
+        ids = [t.task_id for t in suite.tasks("eval", 2, seed=0)]
+        assert [t.task_id for t in suite.tasks("eval", 2, seed=7)] == ids  # the same rows before and after training
+        return ids
+
+    def sources(ids: list[str]) -> list[str]:
+        return [rows[int(i.rsplit("-", 1)[1])]["source"] for i in ids]
+
+    first = chosen()
+    assert first == chosen(eval_sample="first") == ["data-eval-0", "data-eval-1"]
+    assert sources(first) == ["gsm", "gsm"]  # only the first source
+
+    random_0, random_1 = chosen(eval_sample="random"), chosen(eval_sample="random", eval_seed=1)
+    assert random_0 != first and random_1 != random_0  # a sample, and the seed says which
+    assert chosen(eval_sample="random") == random_0
+
+    stratified = chosen(eval_sample="stratified", eval_stratify_key="source")
+    assert sorted(sources(stratified)) == ["gsm", "logic"]  # one row of each source
+    suite = DatasetSuite(_data(files, eval_files=[str(files / "mixed.jsonl")], eval_sample="stratified",
+                              eval_stratify_key="source"), eval_tasks=4)
+    assert sorted(sources([t.task_id for t in suite.tasks("eval", 4)])) == ["gsm", "gsm", "gsm", "logic"]  # 6:2 -> 3:1
+    assert len(suite.tasks("eval", 100)) == len(rows)
+
+    with pytest.raises(ConfigError, match=r"rollout\.data: eval_sample=stratified needs eval_stratify_key, the column"):
+        load_config(None, ["rollout.data.eval_sample=stratified"])
+    with pytest.raises(DatasetError, match=r"rollout\.data\.eval_stratify_key: 3 of 3 rows of .*eval\.jsonl have no "
+                                           r"column 'source' \(first: data-eval-0\)"):
+        DatasetSuite(_data(files, eval_sample="stratified", eval_stratify_key="source"), eval_tasks=1)

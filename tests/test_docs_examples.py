@@ -62,7 +62,7 @@ def test_the_example_configs_are_what_the_docs_say():
     # the YAML shown in the guide is the example config's data section
     (shown,) = _blocks(REPO / "docs/bring-your-own.md", "yaml", "## Your prompts and your reward")
     data = yaml.safe_load(shown)["rollout"]["data"]
-    actual = load_config(REPO / "configs/dataset.yaml").rollout.data.model_dump()
+    actual = yaml.safe_load((REPO / "configs/dataset.yaml").read_text())["rollout"]["data"]  # paths as written
     assert {k: actual[k] for k in data} == data
 
 

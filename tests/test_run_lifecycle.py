@@ -96,6 +96,46 @@ def test_a_failed_start_writes_nothing_and_a_run_without_checkpoint_restarts_wit
     assert _checkpoint_step(run) == 1
 
 
+
+REWARDS = """
+def strict(task, completion, calls, answer):  # passes the check with no calls, fails on a real episode
+    if calls:
+        raise ModuleNotFoundError("No module named 'suite_scorer'")
+    return 0.0
+
+def fixed(task, completion, calls, answer):
+    return float(len(completion) % 2)
+"""
+
+
+def test_a_start_that_fails_before_its_first_step_leaves_no_run_and_the_same_command_reruns(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "eval"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n"
+                                                     for i in range(4)))
+    (data / "reward.py").write_text(REWARDS)
+    args = overrides(tmp_path, "byo", "rollout.task=dataset", "rollout.max_turns=1", "rollout.eval_tasks=1",
+                     "rollout.steps=1", f"rollout.data.train_files=[{data}/train.jsonl]",
+                     f"rollout.data.eval_files=[{data}/eval.jsonl]")
+    runner, run = CliRunner(), tmp_path / "byo"
+    # the reward file imports what is not installed: the held-out evaluation before step 1 fails
+    failed = runner.invoke(app, ["train", *set_args([*args, f"rollout.data.reward_function={data}/reward.py:strict"])])
+    assert failed.exit_code == 2 and "strict raised on task data-eval-0" in failed.output, failed.output
+    assert not run.exists()
+
+    # a folder of the user's under the run's name: a failed start removes only what it wrote
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    again = runner.invoke(app, ["train", *set_args([*args, f"rollout.data.reward_function={data}/reward.py:strict"])])
+    assert again.exit_code == 2 and sorted(p.name for p in run.iterdir()) == ["notes.txt"], again.output
+
+    fixed = runner.invoke(app, ["train", *set_args([*args, f"rollout.data.reward_function={data}/reward.py:fixed"])])
+    assert fixed.exit_code == 0, fixed.output
+    assert _steps(run) == [1] and _checkpoint_step(run) == 1 and (run / "notes.txt").read_text() == "mine"
+    assert "reward.py:fixed" in (run / "config.yaml").read_text()
+
+
 EPISODES_PER_STEP = 16  # rollout.batch_tasks x rollout.group_size of the tiny job
 
 

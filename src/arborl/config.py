@@ -7,12 +7,15 @@ generated from these models by ``python -m arborl.docs_knobs``.
 from __future__ import annotations
 
 import difflib
+import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from arborl.config_paths import resolve_paths, resolve_value
 from arborl.types import ArborlError
 
 
@@ -558,12 +561,24 @@ class DataConfig(Section):
     train_files: list[str] = Field(
         default_factory=list,
         description="JSONL (.jsonl, .json) or Parquet (.parquet) files of training prompts, one row per task, read "
-        "with Hugging Face datasets (paths relative to the working directory)",
+        "with Hugging Face datasets (a relative path in a config file is that file's folder's, one given with "
+        "--set the working directory's; on the command line one file or a list: --set 'rollout.data.train_files=[a.jsonl,b.jsonl]')",
     )
     eval_files: list[str] = Field(
         default_factory=list,
-        description="held-out files in the same format; evaluation takes their first rollout.eval_tasks rows "
-        "(rollout.task=dataset needs them when rollout.eval_tasks > 0)",
+        description="held-out files in the same format; evaluation takes rollout.eval_tasks of their rows, chosen "
+        "by eval_sample (rollout.task=dataset needs them when rollout.eval_tasks > 0)",
+    )
+    eval_sample: Literal["first", "random", "stratified"] = Field(
+        "first",
+        description="which eval rows are evaluated: first = the first rollout.eval_tasks rows; random = a sample "
+        "seeded by eval_seed; stratified = from each value of the eval_stratify_key column its share of the rows "
+        "(at least one each while rollout.eval_tasks allows), sampled with eval_seed. The same rows before and after "
+        "training",
+    )
+    eval_seed: int = Field(0, description="seed of eval_sample=random / stratified")
+    eval_stratify_key: str | None = Field(
+        None, description="column whose values are the strata of eval_sample=stratified (e.g. the source of each row)"
     )
     prompt_key: str = Field(
         "prompt",
@@ -584,6 +599,13 @@ class DataConfig(Section):
         "to your own, package.module:attr or path/to/file.py:attr, called as (task, completion, calls, answer) "
         "-> float or dict of reward components holding \"outcome\" (reward units)",
     )
+
+    @model_validator(mode="after")
+    def _strata_named(self) -> "DataConfig":
+        if self.eval_sample == "stratified" and not self.eval_stratify_key:
+            raise ValueError("eval_sample=stratified needs eval_stratify_key, the column whose values are the strata "
+                             "(e.g. the source of each row)")
+        return self
 
 
 class CodeRepairConfig(Section):
@@ -665,7 +687,7 @@ class EnvsConfig(Section):
     )
     ro_binds: list[str] = Field(
         default_factory=list, description="extra host paths bound read-only into the sandbox at their absolute path "
-        "(relative ones are the working directory's), e.g. the directory of a sandboxed agent command's script"
+        "(relative ones are the config file's folder's, or with --set the working directory's), e.g. the directory of a sandboxed agent command's script"
     )
     sandbox_uid_base: int = Field(
         61000,
@@ -841,6 +863,16 @@ class SchedulingConfig(Section):
     )
 
 
+def _comma_list(value: Any) -> Any:
+    """A comma-separated string (or a list of them: ``--set`` makes one value a one-item list) as a list
+    of names."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [x.strip() for v in value for x in v.split(",") if x.strip()]
+    return value
+
+
 class ReportConfig(Section):
     """What a run reports besides its run directory's files: metrics loggers (report/loggers.py)."""
 
@@ -854,9 +886,7 @@ class ReportConfig(Section):
     @field_validator("loggers", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        if isinstance(value, str):  # --set report.loggers=jsonl,tensorboard
-            return [v.strip() for v in value.split(",") if v.strip()]
-        return value
+        return _comma_list(value)  # --set report.loggers=jsonl,tensorboard
 
 
 class ClusterConfig(Section):
@@ -972,16 +1002,17 @@ class SimConfig(Section):
     @field_validator("policies", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        if isinstance(value, str):  # --set sim.policies=a/b,c/d
-            return [v.strip() for v in value.split(",") if v.strip()]
-        return value
+        return _comma_list(value)  # --set sim.policies=a/b,c/d
 
 
 class Config(Section):
     """The whole run."""
 
     name: str = Field("default", description="run name: outputs go to <runs_dir>/<name>/")
-    runs_dir: str = Field("runs", description="parent directory of run directories")
+    runs_dir: str = Field(
+        "runs", description="parent directory of run directories (in a config file relative to its folder; the "
+        "default and --set: the working directory's)"
+    )
     seed: int = Field(0, description="global seed (sampling, data order)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -1051,6 +1082,9 @@ def _format_errors(err: ValidationError) -> str:
             continue
         if e["type"] == "extra_forbidden":
             reason = f"unknown key ({_did_you_mean(path)}see docs/knobs.md for the valid keys)"
+        if e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across a section's knobs
+            lines.append(f"{path}: {reason.removeprefix('Value error, ')}")
+            continue
         lines.append(f"{path}: {reason} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
@@ -1070,7 +1104,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _list_knob(parts: list[str]) -> bool:
+    """Whether the knob at ``parts`` holds a list."""
+    model: Any = Config
+    for i, p in enumerate(parts):
+        field = model.model_fields.get(p) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return False
+        model = field.annotation
+        if i == len(parts) - 1:
+            return any(typing.get_origin(a) is list for a in (model, *typing.get_args(model)))
+    return False
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``--set`` overrides on top of ``data``: a relative path is the working directory's, and a single
+    value given for a list knob is a one-item list (``--set rollout.data.train_files=a.jsonl``; an empty
+    one, ``key=``, the empty list)."""
     for item in overrides:
         parts, value = parse_override(item)
         node = data
@@ -1079,7 +1129,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node = child
-        node[parts[-1]] = value
+        if value is not None and not isinstance(value, (list, dict)) and _list_knob(parts):
+            value = [value] if value != "" else []  # `key=` empties the list
+        node[parts[-1]] = resolve_value(".".join(parts), value, Path.cwd())
     return data
 
 
@@ -1095,11 +1147,14 @@ def validate_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_errors(e)) from None
 
 
-def load_data(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The keys a YAML file and ``--set`` overrides give, unvalidated and without defaults."""
+def load_data(path: str | Path | None = None, overrides: list[str] | None = None, *,
+              relative_to_file: bool = True) -> dict[str, Any]:
+    """The keys a YAML file and ``--set`` overrides give, unvalidated and without defaults. A relative
+    path in the file is the file's folder's (``relative_to_file``; a run's own config.yaml is read as
+    written), one given by ``--set`` the working directory's (config_paths.py)."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = Path(os.path.abspath(Path(path).expanduser()))  # errors name the file as resolved
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
@@ -1109,8 +1164,12 @@ def load_data(path: str | Path | None = None, overrides: list[str] | None = None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded or {}
+        if relative_to_file:
+            data = resolve_paths(data, p.parent)
     return apply_overrides(data, overrides or [])
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """``cfg`` as YAML, its relative paths made absolute (they are the working directory's), so the file
+    means the same wherever it is loaded from."""
+    return yaml.safe_dump(resolve_paths(cfg.model_dump(mode="json"), Path.cwd()), sort_keys=False)

@@ -49,6 +49,17 @@ def render() -> str:
         "Generated from `src/arborl/config.py` by `make knobs` (`python -m arborl.docs_knobs`); a test fails",
         "when this file is stale. Set any knob in a YAML file or with `--set key.path=value`.",
         "",
+        "A `--set` value is YAML: `--set rollout.eval_tasks=16`, `--set rollout.data.system_prompt='Be brief.'`. A",
+        "list knob takes one item as it is (`--set rollout.data.train_files=a.jsonl`) or several in brackets,",
+        "quoted for the shell: `--set 'rollout.data.train_files=[a.jsonl, b.jsonl]'` (`report.loggers` and",
+        "`sim.policies` also take `a,b`; `--set rollout.data.eval_files=` is the empty list).",
+        "",
+        "Paths (data files, the reward file of `file.py:attr`, model and cache directories, `runs_dir`, ...): a",
+        "relative path in a config file is taken from that file's folder, one given with `--set` from the working",
+        "directory; `~` and absolute paths stay. They are made absolute when the config is loaded, so the run's",
+        "`config.yaml` and every error name the resolved path (`src/arborl/config_paths.py` lists the path knobs).",
+        "Argv lists (`rollout.agent_command`, `extra_args`) are not paths: they run from the working directory.",
+        "",
     ]
     _section(Config, "", out)
     out += [

@@ -3,8 +3,9 @@
 runs/<name>/ gets config.yaml (written once; resumes append their changes to config.changes.yaml),
 metrics.jsonl (one line per step and per evaluation), datapool.sqlite (every call of every episode),
 checkpoint/ (a Hugging Face model directory plus optimiser, step and RNG state), summary.json and
-curves.png. Nothing is written there before the config, the extension names, the model and (on
-resume) the checkpoint have been checked.
+curves.png. Nothing is written there before the config, the extension names, the data and reward
+files (read and tried before the model loads), the model and (on resume) the checkpoint have been
+checked; a new run that fails before its first step removes what it wrote (rundir.RunDir.starting).
 
 SIGINT / SIGTERM stop the run after the step in flight, with a checkpoint and the summary; the
 process then exits with 128 + the signal's number (130, 143) after printing how to resume.
@@ -46,7 +47,7 @@ from arborl.report.loggers import RunLoggers, check_loggers
 from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_changes
 from arborl.rundir import RunDir, resume_command
 from arborl.stopping import RunStopped, StopRequest
-from arborl.tasks import make_suite
+from arborl.tasks import ConfiguredSuite, make_suite
 from arborl.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
@@ -56,14 +57,14 @@ class IdleRunError(ArborlError):
     """The run stopped because too many steps in a row trained nothing (rollout.max_idle_steps)."""
 
 
-def _controller(cfg: Config, trainer: Trainer | None, serving_model, loaded, run_dir: Path, version: int = 0,
-                start_step: int = 0):
+def _controller(cfg: Config, suite: ConfiguredSuite, trainer: Trainer | None, serving_model, loaded, run_dir: Path,
+                version: int = 0, start_step: int = 0):
     """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
     ``version``, and the controller around them."""
     built = build_gateway(
         cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval()), run_dir=run_dir, version=version
     )
-    ctl = Controller(cfg, built.gateway, built.engines, built.pool, trainer, make_suite(cfg.rollout),
+    ctl = Controller(cfg, built.gateway, built.engines, built.pool, trainer, suite,
                      version=version, start_step=start_step)
     return built, ctl
 
@@ -100,6 +101,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
             changes = resume_changes(run.path, cfg)
     elif not overwrite:
         run.check_new()
+    suite = make_suite(cfg.rollout)  # data files read, reward file imported and tried: all before the model loads
 
     r = cfg.rollout
     torch.manual_seed(cfg.seed)
@@ -116,43 +118,42 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         version = extra.get("version", start_step)
         serving.load_state_dict(trainer.engine_state())
 
-    # every check passed: only now is the run directory written
-    if overwrite:
-        run.clear()
-    run.path.mkdir(parents=True, exist_ok=True)
-    # metrics.jsonl and the trackers of report.loggers
-    metrics = RunLoggers(cfg.report.loggers, run.path, cfg.name, cfg.model_dump(mode="json"))
-    if not resume or not (run.path / CONFIG_FILE).exists():
-        (run.path / CONFIG_FILE).write_text(dump_config(cfg))
-        (run.path / CHANGES_FILE).unlink(missing_ok=True)
-    if resume:
-        record_changes(run.path, changes, start_step)
-        for key, (old, new) in changes.items():
-            _say(console, f"  {key}: {old} -> {new} (recorded in {CHANGES_FILE})")
-        aborted = run.abort_running_episodes()
-        if aborted:
-            _say(console, f"  marked {plural(aborted, 'episode')} left running by the stopped process as aborted "
-                          "(they are not trained)")
-        metrics.truncate_after(start_step)
-        _say(console, f"resumed from {run.checkpoint} at step {start_step}")
-        if start_step >= r.steps:
-            _say(console, f"the run has done its {plural(r.steps, 'step')}; to train further: --set rollout.steps=N")
+    # every check passed: only now is the run directory written; a new run that fails before its first
+    # step takes its outputs and the directory away again, so the same command reruns as it is
+    with run.starting(fresh=not resume):
+        # metrics.jsonl and the trackers of report.loggers
+        metrics = RunLoggers(cfg.report.loggers, run.path, cfg.name, cfg.model_dump(mode="json"))
+        with contextlib.closing(metrics):
+            if not resume or not (run.path / CONFIG_FILE).exists():
+                (run.path / CONFIG_FILE).write_text(dump_config(cfg))
+                (run.path / CHANGES_FILE).unlink(missing_ok=True)
+            if resume:
+                record_changes(run.path, changes, start_step)
+                for key, (old, new) in changes.items():
+                    _say(console, f"  {key}: {old} -> {new} (recorded in {CHANGES_FILE})")
+                aborted = run.abort_running_episodes()
+                if aborted:
+                    _say(console, f"  marked {plural(aborted, 'episode')} left running by the stopped process as "
+                                  "aborted (they are not trained)")
+                metrics.truncate_after(start_step)
+                _say(console, f"resumed from {run.checkpoint} at step {start_step}")
+                if start_step >= r.steps:
+                    _say(console, f"the run has done its {plural(r.steps, 'step')}; to train further: --set rollout.steps=N")
 
-    launched, ctl = _controller(cfg, trainer, serving, loaded, run.path, version, start_step)
-    stop = StopRequest()
-    if supervised():
-        serve_stop(stop)  # in the trainer actor: the driver passes its Ctrl-C on (cluster/supervise.py)
+            launched, ctl = _controller(cfg, suite, trainer, serving, loaded, run.path, version, start_step)
+            stop = StopRequest()
+            if supervised():
+                serve_stop(stop)  # in the trainer actor: the driver passes its Ctrl-C on (cluster/supervise.py)
 
-    async def save(done: int, summary: dict[str, Any]) -> None:
-        extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
-        await asyncio.to_thread(save_checkpoint, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
+            async def save(done: int, summary: dict[str, Any]) -> None:
+                extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
+                await asyncio.to_thread(save_checkpoint, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
 
-    try:
-        summary, stopped, last = asyncio.run(
-            _train_loop(cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1))
-    finally:
-        launched.close()
-        metrics.close()
+            try:
+                summary, stopped, last = asyncio.run(_train_loop(
+                    cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1))
+            finally:
+                launched.close()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
     if stopped:
         summary["stopped"] = stopped
@@ -290,12 +291,13 @@ def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | N
     """Held-out success of the configured model, or of a checkpoint's weights."""
     console = console or Console()
     check_extensions(cfg)
+    suite = make_suite(cfg.rollout)  # data and reward checked before the model loads
     loaded = load_model(cfg.model)
     model = loaded.model
     if checkpoint is not None:
         load_policy_weights(checkpoint, model, cfg)
     run_dir = cfg.run_dir / "eval"
-    launched, ctl = _controller(cfg, None, model, loaded, run_dir)
+    launched, ctl = _controller(cfg, suite, None, model, loaded, run_dir)
     try:
         ev = asyncio.run(ctl.evaluate(cfg.rollout.eval_tasks))
     finally:

@@ -2,8 +2,9 @@
 estimators, consumption and dispatch policies, ...).
 
 A config value is either a registered name (``train.loss.kind=ppo``) or a path to the user's own
-object: ``package.module:attr`` (importable) or ``path/to/file.py:attr`` (a file anywhere; relative
-paths are taken from the working directory). So a new loss or task is one file and one config line,
+object: ``package.module:attr`` (importable) or ``path/to/file.py:attr`` (a file anywhere; a config
+file's relative paths are made absolute from its folder when it is loaded, config_paths.py; what is
+still relative here is the working directory's). So a new loss or task is one file and one config line,
 as slime's ``--rollout-function-path`` and verl's ``register_policy_loss``. Built-in entries are
 registered by the module that defines them, with the ``register`` decorator of its registry.
 """

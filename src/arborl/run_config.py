@@ -71,7 +71,7 @@ def run_config(run_dir: str | Path) -> Config:
     f = run_dir / CONFIG_FILE
     if not f.is_file():
         raise ConfigError(f"{run_dir} has no {CONFIG_FILE}: not a run directory (start a run there without --resume)")
-    data = load_data(f)
+    data = load_data(f, relative_to_file=False)  # written with absolute paths (older runs: the cwd's)
     for record in read_changes(run_dir):
         for key, change in (record.get("changes") or {}).items():
             _set_key(data, key, change["to"])

@@ -3,10 +3,12 @@ resume does after a process that died (episodes it left ``running`` are marked a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from arborl.config import DataPoolConfig
@@ -58,7 +60,36 @@ class RunDir:
         return max((r.get("step", 0) for r in rows if r.get("kind") == "step"), default=0)
 
     def holds_run(self) -> bool:
+        """A checkpoint, a logged step or a data pool (``arborl serve`` records sessions there too): what a new
+        run must not mix with or delete."""
         return self.has_checkpoint() or self.logged_steps() > 0 or self.datapool_file.exists()
+
+    def _outputs(self) -> list[Path]:
+        pool = self.datapool_file
+        names = [*OUTPUTS, pool.name, pool.name + "-wal", pool.name + "-shm"]
+        return [self.path / n for n in names] + list(self.path.glob(".checkpoint.*"))
+
+    @contextlib.contextmanager
+    def starting(self, *, fresh: bool) -> Iterator[None]:
+        """The directory, made for a start. ``fresh`` (not a resume): what an earlier run wrote there is
+        deleted first (--overwrite; or check_new passed, so at most a config.yaml or evaluations without a
+        data pool), and when the start fails before it has logged a step or saved a checkpoint, what it
+        wrote and the directories it made are removed again, so the same command runs again as it is."""
+        made = [d for d in (self.path, *self.path.parents) if not d.exists()]  # deepest first
+        if fresh:
+            self.clear()
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            yield
+        except BaseException:
+            if fresh and not self.has_checkpoint() and self.logged_steps() == 0:  # its data pool is its own
+                self.clear()
+                for d in made:
+                    try:
+                        d.rmdir()  # only when empty: a file of the user's keeps it
+                    except OSError:
+                        break
+            raise
 
     def check_new(self) -> None:
         """RunExistsError when a new run would mix its outputs with an earlier one's."""
@@ -83,9 +114,7 @@ class RunDir:
 
     def clear(self) -> None:
         """Delete the outputs of an earlier run (only the files arborl writes)."""
-        pool = self.datapool_file
-        names = [*OUTPUTS, pool.name, pool.name + "-wal", pool.name + "-shm"]
-        for p in [self.path / n for n in names] + list(self.path.glob(".checkpoint.*")):
+        for p in self._outputs():
             if p.is_dir():
                 shutil.rmtree(p)
             elif p.exists():

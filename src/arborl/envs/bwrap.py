@@ -155,7 +155,8 @@ class BwrapRuntime(HostRuntime):
         self.bwrap = check_bwrap(self.cfg.bwrap_path)
         self.drop_uid = self.is_root
         self.etc = build_etc(self.root, self.cfg)
-        # relative paths are the working directory's (a config's `examples/` beside its agent command)
+        # a config file's relative paths were made absolute from its folder when it loaded (config_paths.py);
+        # --set ones from the working directory; what is still relative (a Config built in code) is the cwd's
         self.ro_binds = [str(Path(p).resolve()) for p in self.cfg.ro_binds]
         for p in self.ro_binds:
             if not Path(p).exists():

@@ -76,7 +76,7 @@ def load_tasks(
     """Every row of ``files`` (in order) as a task of ``split``; ``knob`` is the config key of ``files``."""
     tasks: list[Task] = []
     for name in files:
-        path = Path(name).expanduser()
+        path = Path(name).expanduser().absolute()  # errors name the path as resolved
         rows = read_rows(path, knob)
         if rows:
             columns = list(rows[0])
@@ -91,5 +91,6 @@ def load_tasks(
             meta = {k: v for k, v in row.items() if k != prompt_key}
             tasks.append(Task(task_id=f"data-{split}-{len(tasks)}", prompt=prompt, metadata=meta, split=split))
     if not tasks:
-        raise DatasetError(f"{knob}: no rows in {', '.join(files) or '(no files given)'}")
+        where = ", ".join(str(Path(f).expanduser().absolute()) for f in files)
+        raise DatasetError(f"{knob}: no rows in {where or '(no files given)'}")
     return tasks
