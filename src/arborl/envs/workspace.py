@@ -64,7 +64,7 @@ def copy_tree(src: Path, dst: Path, *, uid: int | None) -> int:
                 os.symlink(os.readlink(s), t)
                 dirs.remove(d)
             elif t.is_dir() and not t.is_symlink():
-                continue  # merging into a directory that is there (the hidden tests over the agent's)
+                continue  # a directory already made
             else:
                 _clear(t)
                 os.mkdir(t, stat.S_IMODE(st.st_mode) | 0o700)

@@ -242,7 +242,7 @@ class RemoteAgent:
     async def __call__(self, task: Task, client: Any) -> AgentOutcome:
         task_json = {"task_id": task.task_id, "prompt": task.prompt, "metadata": task.metadata, "split": task.split}
         res = await self.pool.run({"task": task_json, "session_id": client.session_id, "api_key": client.api_key,
-                                   "sampling": self.sampling})
+                                   "harness_key": getattr(client, "harness_key", None), "sampling": self.sampling})
         if res.get("infra_error"):
             raise InfraError(res["infra_error"])
         info = dict(res.get("info") or {})
