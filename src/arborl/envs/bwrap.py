@@ -43,8 +43,10 @@ _ETC = (
     "mime.types", "os-release", "debian_version",
 )  # fmt: skip
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# /proc inside: these read-only (bubblewrap itself covers /proc/irq and /proc/bus), these as empty files
+# /proc inside: these read-only (as root bubblewrap itself covers /proc/irq and /proc/bus; as another user it
+# leaves them, so they are added), these as empty files
 _PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs")
+_PROC_READ_ONLY_USER = ("irq", "bus")
 _PROC_MASKED = ("keys", "key-users", "kcore", "timer_list", "sched_debug", "latency_stats")
 KEYCTL = "/usr/bin/keyctl"
 _JOINED = re.compile(r"\AJoined session keyring: -?\d+\n")  # what `keyctl session` says on stderr first
@@ -178,7 +180,7 @@ class BwrapRuntime(HostRuntime):
         if self.cfg.seccomp:
             seccomp_program()  # built once per process; a missing libseccomp fails here, saying how to fix it
         self.proc_args = []
-        for name in _PROC_READ_ONLY:
+        for name in _PROC_READ_ONLY + (() if self.is_root else _PROC_READ_ONLY_USER):
             if os.path.exists(f"/proc/{name}"):
                 self.proc_args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
         for name in _PROC_MASKED:
