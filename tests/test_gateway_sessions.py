@@ -129,6 +129,29 @@ def test_an_untrusted_agent_cannot_reward_itself_and_the_harness_can(h):
     assert h.post(f"/sessions/{sid}/reward", agent_key, json={"value": 1}).status_code == 403  # unchanged for the old one
 
 
+def test_rollout_trust_agent_rewards_reaches_the_gateways_sessions(tmp_path):
+    """The knob, through build_gateway: off, a session's agent key is refused its own reward; on, it posts."""
+    from arborl.assemble import build_gateway
+    from arborl.config import load_config
+    from arborl.gateway import PermissionDeniedError
+
+    for trusted in (False, True):
+        cfg = load_config(None, [f"runs_dir={tmp_path}", f"name=trust-{trusted}", "model.source=tiny",
+                                 "model.tiny_layers=1", "model.tiny_hidden=32", "engine.max_seq_len=64",
+                                 f"rollout.trust_agent_rewards={str(trusted).lower()}"])
+        built = build_gateway(cfg)
+        try:
+            info = asyncio.run(built.gateway.create_session(task_id="t"))
+            assert built.gateway.sessions.for_reward(info.harness_key, info.session_id) is info.session
+            if trusted:
+                assert built.gateway.sessions.for_reward(info.api_key, info.session_id) is info.session
+            else:
+                with pytest.raises(PermissionDeniedError, match="rollout.trust_agent_rewards"):
+                    built.gateway.sessions.for_reward(info.api_key, info.session_id)
+        finally:
+            built.close()
+
+
 # ------------------------------------------------------------------ drift and stitching off
 
 

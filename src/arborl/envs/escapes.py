@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from arborl.envs import keyrings
-from arborl.envs.base import InfraError, Runtime, Workspace
+from arborl.envs.base import Runtime, Workspace
 from arborl.envs.workspace import tree_bytes
 
 T = TypeVar("T")
