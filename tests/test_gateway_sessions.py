@@ -152,6 +152,26 @@ def test_rollout_trust_agent_rewards_reaches_the_gateways_sessions(tmp_path):
             built.close()
 
 
+def test_a_rollout_workers_client_posts_rewards_with_the_harness_key(h):
+    """HttpSessionClient (a rollout worker's white-box agent loop) posts with the harness key it is given;
+    with the agent key alone it is refused like any agent program."""
+    from arborl.agents.http_client import GatewayHTTPError, HttpSessionClient
+
+    s = h.new_session_keys(task_id="w")
+
+    async def go(harness_key):
+        client = HttpSessionClient(h.base_url, s["session_id"], s["api_key"], h.model, harness_key=harness_key)
+        try:
+            await client.reward(0.5, name="tool_error")
+        finally:
+            await client.aclose()
+
+    asyncio.run(go(s["harness_key"]))
+    with pytest.raises(GatewayHTTPError, match="HTTP 403"):
+        asyncio.run(go(None))
+    assert [x["name"] for x in h.gateway.sessions.get(s["session_id"]).episode.meta["rewards"]] == ["tool_error"]
+
+
 # ------------------------------------------------------------------ drift and stitching off
 
 
