@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from arborl.envs import keyrings
-from arborl.envs.base import Runtime, Workspace
+from arborl.envs.base import InfraError, Runtime, Workspace
 from arborl.envs.workspace import tree_bytes
 
 T = TypeVar("T")
@@ -645,35 +645,42 @@ async def keyring_host_session_write(ctx: EscapeContext) -> Outcome:
 
 async def keyring_uid_outlives_episode(ctx: EscapeContext) -> Outcome:
     """Hidden tests stashed in the evaluation uid's keyrings (@u, @us, persistent) must not reach the next
-    episode that runs as that uid (as root the uid goes back to the pool; otherwise it is the job's own)."""
-    ws = await _ws(ctx, "keys-uid")
+    episode that runs as that uid (as root the uid goes back to the pool; otherwise it is the job's own).
+    An evaluation that never says its uid counts as a way out: it cannot show the stash went nowhere."""
     desc = f"stash-{secrets.token_hex(4)}".encode()
     stash = _KEYS + f"""
 text = open("{ctx.hidden.name}/test_calc.py", "rb").read()
 p, _ = keyctl(22, -1, -3)  # the uid's persistent keyring, linked into the session keyring
 print("uid", os.getuid(), [add_key({desc!r}, text, ring) for ring in (-4, -5, p)])
 """
-    try:
-        r = await ctx.runtime.evaluate(ws, ctx.hidden, ["python3", "-c", stash])
-    finally:
-        await ctx.runtime.close(ws)
-    fields = r.stdout.split("uid ", 1)[1].split() if "uid " in r.stdout else ["?"]
-    uid = int(fields[0]) if fields[0].isdigit() else None
-    runtime = ctx.runtime
-    if uid is not None and getattr(ctx.runtime, "drop_uid", False):  # root: a runtime whose pool is that one uid
-        runtime = type(ctx.runtime)(ctx.cfg.model_copy(update={"sandbox_uid_base": uid, "sandbox_uids": 1}))
-    later = await runtime.prepare(ctx.template, episode_id=f"escape-keys-uid-next-{secrets.token_hex(3)}")
     read = _KEYS + f"""
 p, _ = keyctl(22, -1, -3)
 print("uid", os.getuid(), [read_key(ring, {desc!r}) for ring in (-4, -5, p)])
 """
-    try:
-        res = await runtime.run(later, ["python3", "-c", read])
-    finally:
-        await runtime.close(later)
-    out = res.stdout + res.stderr
-    return Outcome("keyring_uid_outlives_episode", ctx.hidden_marker in out,
-                   f"evaluation: {(r.stdout + r.stderr)[-150:]}; later episode: {out[-200:]}")
+    for _ in range(3):  # another workspace may draw the released uid first: then evaluate again
+        ws = await _ws(ctx, "keys-uid")
+        try:
+            r = await ctx.runtime.evaluate(ws, ctx.hidden, ["python3", "-c", stash])
+        finally:
+            await ctx.runtime.close(ws)
+        fields = r.stdout.split("uid ", 1)[1].split() if "uid " in r.stdout else ["?"]
+        if not fields[0].isdigit():
+            return Outcome("keyring_uid_outlives_episode", True, f"the evaluation said no uid: {(r.stdout + r.stderr)[-200:]}")
+        runtime = ctx.runtime
+        if getattr(ctx.runtime, "drop_uid", False):  # root: a runtime whose pool is that one uid
+            runtime = type(ctx.runtime)(ctx.cfg.model_copy(update={"sandbox_uid_base": int(fields[0]), "sandbox_uids": 1}))
+        try:
+            later = await runtime.prepare(ctx.template, episode_id=f"escape-keys-uid-next-{secrets.token_hex(3)}")
+        except InfraError:
+            continue
+        try:
+            res = await runtime.run(later, ["python3", "-c", read])
+        finally:
+            await runtime.close(later)
+        out = res.stdout + res.stderr
+        return Outcome("keyring_uid_outlives_episode", ctx.hidden_marker in out or f"uid {fields[0]} " not in out,
+                       f"evaluation: {(r.stdout + r.stderr)[-150:]}; later episode: {out[-200:]}")
+    raise InfraError("keyring_uid_outlives_episode: the evaluation's uid was drawn by another workspace three times")
 
 
 async def keyring_calls(ctx: EscapeContext) -> Outcome:
