@@ -688,7 +688,7 @@ async def keyring_calls(ctx: EscapeContext) -> Outcome:
     session keyring) reach the kernel's keyrings: refused inside."""
     ws = await _ws(ctx, "keys-calls")
     src = _KEYS + """
-res = {"add_key": add_key(b"mine", b"x", -3), "request_key": sys_(249, b"user", b"mine", 0, -3),
+res = {"add_key": add_key(b"mine", b"x", -2), "request_key": sys_(249, b"user", b"mine", 0, -2),  # -2: its own
        "describe": keyctl(6, -3, ctypes.create_string_buffer(256), 256), "user_keyring": keyctl(0, -4, 0)}
 print("allowed", sorted(k for k, (r, e) in res.items() if r >= 0), res, "DONE")
 """
