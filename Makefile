@@ -28,11 +28,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 test-deps: venv $(VENV)/.installed-test browser
 
-# bubblewrap for the envs sandbox (rollout.envs.runtime=bwrap): apt as root; otherwise say how.
+# the envs sandbox (rollout.envs.runtime=bwrap): bubblewrap, keyutils' keyctl (a fresh session keyring per
+# command) and libseccomp (its syscall filter); apt as root; otherwise say how.
+SANDBOX_PKGS := bubblewrap keyutils libseccomp2
 sandbox:
-	@command -v bwrap >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
-	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (dnf/pacman: bubblewrap), or set rollout.envs.runtime=local (no isolation)"; fi; }
+	@{ command -v bwrap && command -v keyctl && ldconfig -p | grep -q libseccomp.so.2; } >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q $(SANDBOX_PKGS) || { apt-get update -q && apt-get install -y -q $(SANDBOX_PKGS); }; \
+	  else echo "the sandbox needs: sudo apt-get install -y $(SANDBOX_PKGS) (dnf/pacman: bubblewrap keyutils libseccomp), or set rollout.envs.runtime=local (no isolation)"; fi; }
 
 # a C++ compiler for the engine's attention kernel (built on first use; without one the engine uses SDPA)
 compiler:

@@ -1,19 +1,28 @@
 """Every way out of the sandbox in arborl.envs.escapes is tried for real against bubblewrap and must
-fail; the same attempts against the unsandboxed local runtime get out (so each check can see an escape)."""
+fail, as the user running the suite and (when that is root) as a non-root user too; the same attempts
+against the unsandboxed local runtime get out (so each check can see an escape)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import os
-import signal
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from arborl.config import EnvsConfig
-from arborl.envs import escapes, make_runtime
+from arborl.envs import SandboxUnavailableError, escapes, make_runtime, seccomp
 
 SMALL = dict(disk_mb=16, file_size_mb=8, processes=32, tmp_mb=8, wall_s=20)
+SRC = Path(escapes.__file__).resolve().parents[2]
+NON_ROOT_UID = EnvsConfig().sandbox_uid_base - 1  # below the pool: no workspace runs as it
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +32,11 @@ def bwrap_ctx(tmp_path_factory):
     return escapes.make_context(rt, tmp_path_factory.mktemp("escape-work"))
 
 
-def test_there_are_at_least_twelve_attempts():
-    assert len(escapes.ESCAPES) >= 12
+def test_there_are_at_least_thirty_attempts_with_both_keyring_channels():
+    assert len(escapes.ESCAPES) >= 30
+    assert len({f.__name__ for f in escapes.ESCAPES}) == len(escapes.ESCAPES)
+    assert {escapes.keyring_host_session_read, escapes.keyring_host_session_write,
+            escapes.keyring_uid_outlives_episode} <= set(escapes.ESCAPES)
 
 
 @pytest.mark.parametrize("attempt", escapes.ESCAPES, ids=lambda f: f.__name__)
@@ -39,6 +51,107 @@ def test_the_gateway_socket_is_reachable_and_nothing_else(bwrap_ctx):
     assert not outcome.escaped
 
 
+def test_a_refused_call_is_a_clean_eperm_and_ordinary_programs_run(bwrap_ctx):
+    """The filter refuses with EPERM (the program goes on) and leaves threads, fork, clone-based spawning
+    (clone3 answers ENOSYS, libc falls back) and the personality query alone."""
+    src = escapes._SYS + """
+report("io_uring_setup", *sys_(425, 8, ctypes.create_string_buffer(120)))
+import subprocess, threading
+t = threading.Thread(target=lambda: None); t.start(); t.join()
+print("spawned", subprocess.run(["sh", "-c", "echo $((6 * 7))"], capture_output=True, text=True).stdout.strip())
+print("query", sys_(135, 0xffffffff))
+"""
+
+    async def go():
+        ws = await bwrap_ctx.runtime.prepare(bwrap_ctx.template, episode_id="eperm")
+        try:
+            return await bwrap_ctx.runtime.run(ws, ["python3", "-c", src])
+        finally:
+            await bwrap_ctx.runtime.close(ws)
+
+    r = asyncio.run(go())
+    assert r.returncode == 0, r
+    assert "refused io_uring_setup -1 Operation not permitted" in r.stdout
+    assert "spawned 42" in r.stdout and "query (0, 0)" in r.stdout
+
+
+def _escaped_with(tmp_path, names, **cfg):
+    rt = make_runtime(EnvsConfig(runtime="bwrap", root_dir=str(tmp_path / "root"), **SMALL, **cfg))
+    ctx = escapes.make_context(rt, tmp_path / "work")
+
+    async def go():
+        return {a.__name__: (await a(ctx)).escaped for a in escapes.ESCAPES if a.__name__ in names}
+
+    return asyncio.run(go())
+
+
+def test_seccomp_off_lets_the_listed_calls_through_and_the_keyrings_stay_closed(tmp_path):
+    """rollout.envs.seccomp=false (the escape hatch) takes the filter away: the system-call probes get out;
+    the keyring channels stay closed by the fresh session keyring and the uid pool's clearing alone."""
+    calls = ["io_uring", "user_namespace" if os.geteuid() == 0 else "perf_events", "personality_flags"]
+    keys = ["keyring_host_session_read", "keyring_host_session_write"]
+    if os.geteuid() == 0:  # as another user @u is the job's own: only the filter closes it
+        keys.append("keyring_uid_outlives_episode")
+    off = _escaped_with(tmp_path / "off", calls + keys, seccomp=False)
+    assert off == {**{n: True for n in calls}, **{n: False for n in keys}}
+    assert not any(_escaped_with(tmp_path / "on", calls, seccomp=True).values())
+
+
+def test_a_missing_libseccomp_fails_clearly_and_the_knob_turns_it_off(tmp_path, monkeypatch):
+    seccomp.program.cache_clear()
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # as if the bindings were not installed
+    try:
+        with pytest.raises(SandboxUnavailableError, match=r"pip install pyseccomp.*rollout\.envs\.seccomp=false"):
+            make_runtime(EnvsConfig(runtime="bwrap", root_dir=str(tmp_path / "a"), **SMALL))
+        make_runtime(EnvsConfig(runtime="bwrap", root_dir=str(tmp_path / "b"), seccomp=False, **SMALL))
+    finally:
+        seccomp.program.cache_clear()
+
+
+def _as_user(uid: int) -> list[str]:
+    """Run as ``uid`` with no capability left (setpriv keeps them up to the exec otherwise)."""
+    return ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]
+
+
+def _python_for(uid: int) -> tuple[str, str] | None:
+    """An interpreter ``uid`` can run with this suite's packages (PYTHONPATH), or None."""
+    site = sysconfig.get_paths()["purelib"]
+    # the packages, and the interpreter's own installation readable (the sandbox binds it in)
+    probe = "import pydantic, pyseccomp, typer, rich; from arborl.envs.bwrap import _python_dirs; _python_dirs()"
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for exe in (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        if not os.path.exists(exe):
+            continue
+        r = subprocess.run([*_as_user(uid), exe, "-c", probe],
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{SRC}:{site}"}, capture_output=True)
+        if r.returncode == 0:
+            return exe, f"{SRC}:{site}"
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a non-root user")
+def test_bwrap_contains_every_attempt_as_a_non_root_user():
+    """The whole list, run by ``python -m arborl.envs.escapes`` as an unprivileged uid (bwrap in a user
+    namespace, no uid pool): none gets out."""
+    found = _python_for(NON_ROOT_UID)
+    if found is None:
+        pytest.skip(f"no Python this machine's uid {NON_ROOT_UID} can run with the suite's packages")
+    exe, path = found
+    work = Path(tempfile.mkdtemp(prefix="arborl-escapes-nonroot-"))
+    try:
+        os.chown(work, NON_ROOT_UID, NON_ROOT_UID)
+        r = subprocess.run([*_as_user(NON_ROOT_UID), exe, "-m", "arborl.envs.escapes", str(work)],
+                           env={"PATH": "/usr/bin:/bin", "HOME": str(work), "PYTHONPATH": path},
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["uid"] == NON_ROOT_UID and result["attempts"] == len(escapes.ESCAPES)
+    assert result["escaped"] == [], result["details"]
+
+
 # the checks are real: without a sandbox these attempts succeed (the harmful ones are never run there)
 SEEN_ESCAPING_LOCALLY = [
     escapes.hidden_tests_by_path,
@@ -50,40 +163,60 @@ SEEN_ESCAPING_LOCALLY = [
     escapes.outlive_timeout,
     escapes.read_host_secrets,
     escapes.symlink_exfiltration,
+    escapes.keyring_host_session_read,
+    escapes.keyring_host_session_write,
+    escapes.keyring_calls,
+    escapes.proc_keys_lists_host_keys,
+    escapes.proc_sys_writable,
+    escapes.proc_kernel_files,
+    escapes.user_namespace,
+    escapes.clone_new_namespaces,
+    escapes.io_uring,
+    escapes.perf_events,
+    escapes.userfaultfd,
+    escapes.personality_flags,
+    escapes.foreign_abi,
+    escapes.trace_own_children,
 ]
 
 
-def test_without_a_sandbox_the_attempts_get_out(tmp_path):
-    rt = make_runtime(EnvsConfig(runtime="local", root_dir=str(tmp_path / "root"), **SMALL))
-    ctx = escapes.make_context(rt, tmp_path / "work")
-
-    async def go():
-        return [await attempt(ctx) for attempt in SEEN_ESCAPING_LOCALLY]
-
-    try:
-        outcomes = asyncio.run(go())
-    finally:
-        left = _kill_outliving_loops()  # what outlive_timeout left running unsandboxed: nothing may outlive the suite
-    assert [o.name for o in outcomes if not o.escaped] == []
-    assert left, "outlive_timeout escaped, so its loops must have been found and killed here"
-
-
-def _kill_outliving_loops() -> list[int]:
-    """Kill the shell loops ``escapes.outlive_timeout`` starts (they escape the local runtime by design)."""
-    killed = []
+def _beating_loops() -> list[int]:
+    """Processes running ``escapes.outlive_timeout``'s shell loops."""
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
         except OSError:
             continue
         if b"while :; do date +%s%N > beat" in cmd and int(pid) != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-    return killed
+            pids.append(int(pid))
+    return pids
+
+
+def test_without_a_sandbox_the_attempts_get_out_and_leave_nothing_running(tmp_path):
+    rt = make_runtime(EnvsConfig(runtime="local", root_dir=str(tmp_path / "root"), **SMALL))
+    ctx = escapes.make_context(rt, tmp_path / "work")
+
+    async def go():
+        return [await attempt(ctx) for attempt in SEEN_ESCAPING_LOCALLY]
+
+    outcomes = asyncio.run(go())
+    assert [o.name for o in outcomes if not o.escaped] == []
+    # outlive_timeout's daemons got out while it ran; the local runtime's close killed them
+    assert _beating_loops() == []
 
 
 def test_the_harmful_attempts_are_never_run_unsandboxed():
     assert escapes.UNSAFE_UNSANDBOXED <= set(escapes.ESCAPES)
     assert escapes.signal_host_process in escapes.UNSAFE_UNSANDBOXED  # it runs `kill -9 -1`
     assert escapes.fork_bomb in escapes.UNSAFE_UNSANDBOXED
+    assert escapes.keyring_uid_outlives_episode in escapes.UNSAFE_UNSANDBOXED  # it writes this user's keyrings
+
+
+def test_no_attempt_names_a_path_of_one_machine(tmp_path):
+    """The attempts aim at places computed on the host they run on (home, checkout, working directory)."""
+    text = Path(escapes.__file__).read_text()
+    fixed = re.findall(r"""["'](/(?:root|work|home/|srv|opt)[^"']*)""", text)
+    assert fixed == [], f"escapes.py names {fixed}: compute the paths instead"
+    paths = escapes._host_secret_paths(escapes.make_context(None, tmp_path))
+    assert str(Path.home()) in paths and str(Path.cwd() / "runs") in paths

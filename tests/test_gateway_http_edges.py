@@ -30,7 +30,7 @@ def _nested(depth: int, kind: str) -> bytes:
 def test_deeply_nested_bodies_get_a_400_on_every_body_route(harness, kind):
     sid, key = harness.new_session()
     routes = [("/chat/completions", key), ("/completions", key), ("/sessions", ADMIN_KEY),
-              (f"/sessions/{sid}/reward", key), (f"/sessions/{sid}/finish", key)]
+              (f"/sessions/{sid}/reward", ADMIN_KEY), (f"/sessions/{sid}/finish", key)]
     for path, k in routes:
         for body in (_nested(5000, kind), b'{"messages": [{"role": "user", "content": ' + _nested(200, kind) + b"}]}"):
             r = harness.post(path, k, content=body)

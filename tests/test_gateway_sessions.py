@@ -62,7 +62,7 @@ def test_keys_isolate_sessions(h):
         assert h.get(path, a_key).status_code == 401
     for path, body in ((f"/sessions/{b_id}/reward", {"value": 1}), (f"/sessions/{b_id}/finish", {})):
         assert h.post(path, a_key, json=body).status_code == 401
-        assert h.post(path, ADMIN_KEY, json=body).status_code == 401
+    assert h.post(f"/sessions/{b_id}/finish", ADMIN_KEY, json={}).status_code == 401
     # only the admin key creates sessions
     assert h.post("/sessions", a_key, json={}).status_code == 401
     assert h.post("/sessions", None, json={}).status_code == 401
@@ -75,20 +75,22 @@ def test_keys_isolate_sessions(h):
 
 
 def test_rewards_finish_and_trajectory(h):
-    sid, key = h.new_session(task_id="t", group_id="g", metadata={"difficulty": 2})
+    s = h.new_session_keys(task_id="t", group_id="g", metadata={"difficulty": 2})
+    sid, key, harness = s["session_id"], s["api_key"], s["harness_key"]
     other_sid, other_key = h.new_session()
     r = chat(h, key, max_tokens=3)
     other = chat(h, other_key, max_tokens=3)
     call_id = r.choices[0].call_id
-    ok = h.post(f"/sessions/{sid}/reward", key, json={"value": 0.5, "name": "format", "call_id": call_id})
+    ok = h.post(f"/sessions/{sid}/reward", harness, json={"value": 0.5, "name": "format", "call_id": call_id})
     assert ok.status_code == 200 and ok.json()["call_id"] == call_id
-    assert h.post(f"/sessions/{sid}/reward", key, json={"value": -1}).status_code == 200
-    bad = h.post(f"/sessions/{sid}/reward", key, json={"value": 1, "call_id": other.choices[0].call_id})
+    assert h.post(f"/sessions/{sid}/reward", harness, json={"value": -1}).status_code == 200
+    bad = h.post(f"/sessions/{sid}/reward", harness, json={"value": 1, "call_id": other.choices[0].call_id})
     assert bad.status_code == 404 and "not a call of this session" in bad.json()["error"]["message"]
-    nan = h.post(f"/sessions/{sid}/reward", key, content=b'{"value": NaN}')
+    nan = h.post(f"/sessions/{sid}/reward", harness, content=b'{"value": NaN}')
     assert nan.status_code == 400 and "value" in nan.json()["error"]["message"]
-    missing = h.post(f"/sessions/{sid}/reward", key, json={"name": "x"})
+    missing = h.post(f"/sessions/{sid}/reward", harness, json={"name": "x"})
     assert missing.status_code == 400 and "value: required field is missing" in missing.json()["error"]["message"]
+    assert h.post(f"/sessions/{other_sid}/reward", harness, json={"value": 1}).status_code == 401  # its session only
 
     done = h.post(f"/sessions/{sid}/finish", key, json={})
     assert done.json() == {"session_id": sid, "status": "finished", "calls": 1}
@@ -103,6 +105,71 @@ def test_rewards_finish_and_trajectory(h):
     assert h.post(f"/sessions/{other_sid}/finish", other_key, json={"status": "failed"}).json()["status"] == "failed"
     assert h.pool.get_episode(other_sid).status == EpisodeStatus.FAILED
     assert h.post(f"/sessions/{other_sid}/finish", other_key, json={"status": "won"}).status_code == 400
+
+
+def test_an_untrusted_agent_cannot_reward_itself_and_the_harness_can(h):
+    """rollout.trust_agent_rewards=false (the default): the agent's own key gets 403 on its reward route;
+    the harness key and the admin key (the task's scorer) post; a trusting gateway lets the agent key post."""
+    s = h.new_session_keys(task_id="t")
+    sid, agent_key = s["session_id"], s["api_key"]
+    refused = h.post(f"/sessions/{sid}/reward", agent_key, json={"value": 1, "name": "self"})
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_denied_error"
+    assert "rollout.trust_agent_rewards" in refused.json()["error"]["message"]
+    assert h.post(f"/sessions/{sid}/reward", s["harness_key"], json={"value": 0.5, "name": "harness"}).status_code == 200
+    assert h.post(f"/sessions/{sid}/reward", ADMIN_KEY, json={"value": 0.25, "name": "scorer"}).status_code == 200
+    assert h.post("/sessions/ep-doesnotexist/reward", ADMIN_KEY, json={"value": 1}).status_code == 404
+    rewards = h.get(f"/sessions/{sid}/trajectory", agent_key).json()["rewards"]
+    assert [(x["name"], x["value"]) for x in rewards] == [("harness", 0.5), ("scorer", 0.25)]
+    h.gateway.trust_agent_rewards = True
+    try:
+        trusted_id, trusted_key = h.new_session()
+    finally:
+        h.gateway.trust_agent_rewards = False
+    assert h.post(f"/sessions/{trusted_id}/reward", trusted_key, json={"value": 1, "name": "self"}).status_code == 200
+    assert h.post(f"/sessions/{sid}/reward", agent_key, json={"value": 1}).status_code == 403  # unchanged for the old one
+
+
+def test_rollout_trust_agent_rewards_reaches_the_gateways_sessions(tmp_path):
+    """The knob, through build_gateway: off, a session's agent key is refused its own reward; on, it posts."""
+    from arborl.assemble import build_gateway
+    from arborl.config import load_config
+    from arborl.gateway import PermissionDeniedError
+
+    for trusted in (False, True):
+        cfg = load_config(None, [f"runs_dir={tmp_path}", f"name=trust-{trusted}", "model.source=tiny",
+                                 "model.tiny_layers=1", "model.tiny_hidden=32", "engine.max_seq_len=64",
+                                 f"rollout.trust_agent_rewards={str(trusted).lower()}"])
+        built = build_gateway(cfg)
+        try:
+            info = asyncio.run(built.gateway.create_session(task_id="t"))
+            assert built.gateway.sessions.for_reward(info.harness_key, info.session_id) is info.session
+            if trusted:
+                assert built.gateway.sessions.for_reward(info.api_key, info.session_id) is info.session
+            else:
+                with pytest.raises(PermissionDeniedError, match="rollout.trust_agent_rewards"):
+                    built.gateway.sessions.for_reward(info.api_key, info.session_id)
+        finally:
+            built.close()
+
+
+def test_a_rollout_workers_client_posts_rewards_with_the_harness_key(h):
+    """HttpSessionClient (a rollout worker's white-box agent loop) posts with the harness key it is given;
+    with the agent key alone it is refused like any agent program."""
+    from arborl.agents.http_client import GatewayHTTPError, HttpSessionClient
+
+    s = h.new_session_keys(task_id="w")
+
+    async def go(harness_key):
+        client = HttpSessionClient(h.base_url, s["session_id"], s["api_key"], h.model, harness_key=harness_key)
+        try:
+            await client.reward(0.5, name="tool_error")
+        finally:
+            await client.aclose()
+
+    asyncio.run(go(s["harness_key"]))
+    with pytest.raises(GatewayHTTPError, match="HTTP 403"):
+        asyncio.run(go(None))
+    assert [x["name"] for x in h.gateway.sessions.get(s["session_id"]).episode.meta["rewards"]] == ["tool_error"]
 
 
 # ------------------------------------------------------------------ drift and stitching off

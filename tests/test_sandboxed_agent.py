@@ -1,6 +1,7 @@
 """A black-box CLI agent (the official openai SDK) run inside an episode's bubblewrap sandbox: it reaches
 the gateway only through the Unix socket bound in, its model calls are recorded token for token, its
-file edits land in the workspace and its commands run as the sandbox's unprivileged user."""
+file edits land in the workspace and its commands run as the sandbox's unprivileged user; it cannot
+reward itself (rollout.trust_agent_rewards=false)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_a_cli_agent_in_the_sandbox_is_recorded_through_the_gateway_socket(tmp_p
     assert seen["cwd"] == "/workspace" and "buggy.py" in seen["listing"]
     if os.geteuid() == 0:  # as root the sandbox drops to a pooled unprivileged uid
         assert seen["uid"] != 0 and seen["shell"] == str(seen["uid"])
+    # the agent's own key posting a reward on its own session: refused, nothing recorded
+    assert seen["reward_status"] == 403 and episode.meta.get("rewards", []) == []
     (call,) = episode.calls  # recorded by the gateway, token ids and all
     assert 1 <= len(call.completion_token_ids) <= 6 and len(call.logprobs) == len(call.completion_token_ids)
     text = built.loaded.tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)

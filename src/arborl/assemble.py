@@ -56,5 +56,6 @@ def build_gateway(
     if cluster:
         cluster.attach(pool)
     datapool = DataPool.from_config(run_dir if run_dir is not None else cfg.run_dir, cfg.datapool)
-    gateway = Gateway(pool, datapool=datapool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway)
+    gateway = Gateway(pool, datapool=datapool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway,
+                      trust_agent_rewards=cfg.rollout.trust_agent_rewards)
     return Assembled(gateway, pool, datapool, loaded, cluster)

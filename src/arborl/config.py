@@ -697,6 +697,12 @@ class EnvsConfig(Section):
     )
     sandbox_uids: int = Field(1024, ge=1, description="size of that uid pool (the most workspaces live at once, as root)")
     bwrap_path: str = Field("bwrap", description="the bubblewrap executable (a name looked up on PATH, or a path)")
+    seccomp: bool = Field(
+        True,
+        description="bwrap: run every command under the syscall filter of envs/seccomp.py (Docker's default list: "
+        "keyrings, ptrace, mount, new namespaces, bpf, io_uring, ... fail with EPERM); false only where libseccomp "
+        "cannot be installed, knowing sandboxed commands then reach those calls (docs/envs.md)",
+    )
 
 
 class RolloutConfig(Section):
@@ -730,6 +736,12 @@ class RolloutConfig(Section):
     max_turns: int = Field(3, ge=1, description="model calls per episode (tool rounds + final answer)")
     in_context_example: bool = Field(True, description="calculator: put one worked example in the prompt")
     agent_timeout_s: float = Field(600.0, gt=0, description="an episode running longer is aborted (seconds)")
+    trust_agent_rewards: bool = Field(
+        False,
+        description="let an agent program post process rewards on its own session with its session key (POST "
+        "/v1/sessions/{id}/reward); off: only the harness (white-box loops, rollout workers, the task's scorer: "
+        "the session's harness key or the admin key) can, so a black-box or sandboxed agent cannot reward itself",
+    )
     eval_tasks: int = Field(64, ge=0, description="held-out tasks evaluated before and after training (0 = skip)")
     eval_temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0 = greedy)")
     eval_every: int = Field(0, ge=0, description="also evaluate every N steps (0 = only before and after)")

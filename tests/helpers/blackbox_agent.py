@@ -3,7 +3,8 @@
 It knows nothing of arborl except the environment the runner sets (OPENAI_BASE_URL, OPENAI_API_KEY,
 OPENAI_MODEL, ARBORL_TASK, ARBORL_SESSION_ID). Modes (argv[1]):
 
-* ``tools``: a tool-use loop with an ``add`` tool; prints the final answer; posts a step reward;
+* ``tools``: a tool-use loop with an ``add`` tool; prints the final answer; posts a step reward (and says
+  on stderr what the gateway answered: an untrusted agent's reward is refused);
 * ``hang``: starts a child process that writes its pid to argv[2], then both sleep (timeout test);
 * ``fail``: writes to both streams and exits 3;
 * ``finish-self``: one call, then finishes its own session as "failed" and exits 0;
@@ -42,7 +43,8 @@ def tools() -> None:
         messages.append(msg.model_dump(exclude_none=True))
         if not msg.tool_calls:
             print(msg.content, flush=True)
-            session_post("reward", {"value": 1.0, "name": "answered", "call_id": r.choices[0].model_extra["call_id"]})
+            posted = session_post("reward", {"value": 1.0, "name": "answered", "call_id": r.choices[0].model_extra["call_id"]})
+            print(f"reward: HTTP {posted.status_code}", file=sys.stderr, flush=True)
             return
         for tc in msg.tool_calls:
             args = json.loads(tc.function.arguments)

@@ -159,6 +159,12 @@ class Harness:
         assert r.status_code == 200, r.text
         return r.json()["session_id"], r.json()["api_key"]
 
+    def new_session_keys(self, **body) -> dict:
+        """``POST /v1/sessions``'s whole answer: session_id, api_key (the agent's), harness_key, ..."""
+        r = self.http.post(self.base_url + "/sessions", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def get(self, path: str, key: str | None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return self.http.get(self.base_url + path, headers=headers)

@@ -67,6 +67,7 @@ class SessionClient(ChatMixin):
         self.gateway = gateway
         self.session = info.session
         self.api_key = info.api_key  # the same key a black-box agent would get
+        self.harness_key = info.harness_key  # rewards over HTTP (a rollout worker's); never handed to a program
 
     @property
     def session_id(self) -> str:

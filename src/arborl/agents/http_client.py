@@ -36,8 +36,9 @@ class HttpSessionClient(ChatMixin):
 
     def __init__(self, base_url: str, session_id: str, api_key: str, model: str, *,
                  http: httpx.AsyncClient | None = None, timeout_s: float = 600.0,
-                 unix_socket: str | Path | None = None) -> None:
+                 unix_socket: str | Path | None = None, harness_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.harness_key = harness_key  # posts rewards; the agent key is what a program it starts is given
         self.unix_socket = Path(unix_socket) if unix_socket else None
         self._session_id = session_id
         self.api_key = api_key
@@ -65,10 +66,10 @@ class HttpSessionClient(ChatMixin):
         if self._own:
             await self.http.aclose()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
         try:
             r = await self.http.post(f"{self.base_url}{path}", json=body,
-                                     headers={"Authorization": f"Bearer {self.api_key}"})
+                                     headers={"Authorization": f"Bearer {key or self.api_key}"})
         except httpx.HTTPError as e:
             raise GatewayHTTPError(f"POST {path}: the gateway did not answer ({type(e).__name__}: {e})", None) from e
         if r.status_code >= 400:
@@ -86,7 +87,8 @@ class HttpSessionClient(ChatMixin):
         return await self._post("/completions", body)
 
     async def reward(self, value: float, *, name: str = "agent", call_id: str | None = None) -> None:
-        await self._post(f"/sessions/{self.session_id}/reward", {"value": value, "name": name, "call_id": call_id})
+        await self._post(f"/sessions/{self.session_id}/reward", {"value": value, "name": name, "call_id": call_id},
+                         key=self.harness_key)
 
     async def interaction(self, **record: Any) -> None:
         await self._post(f"/sessions/{self.session_id}/interaction", record)

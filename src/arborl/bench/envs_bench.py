@@ -6,7 +6,9 @@ Sections (each a function ``(quick, console) -> dict`` in ``SECTIONS``; a new pa
    ``sandbox_start_p50_ms`` / ``_p99_ms``, and each part's p50 (prepare, command, close) next to a bare
    ``bwrap true`` so bubblewrap's own start is visible; ``start_cpu_ms_mean`` is the CPU time one such
    episode costs (this process and its children), which does not grow with the machine's load as wall
-   time does (``load_average_1m`` is reported beside it).
+   time does (``load_average_1m`` is reported beside it). The same episode with the syscall filter off
+   (``rollout.envs.seccomp=false``), interleaved one for one, gives ``start_seccomp_off_p50_ms`` and
+   ``seccomp_start_overhead_ms`` (the median of the paired differences: what the filter adds).
 2. throughput: 16 episodes at once (prepare, two commands, close): ``sandbox_episodes_per_s``.
 3. copy modes: making a workspace from a small (12 files) and a larger (600 files, ~5 MB) template with
    each ``rollout.envs.copy_mode`` (copy, cp), and for comparison an overlay mount (copy-on-write; root only)
@@ -66,9 +68,11 @@ def section_start(quick: bool, console: Console) -> dict:
 
 def _section_start(quick: bool, work: Path) -> dict:
     rt = make_runtime(_cfg(work))
+    rt_off = make_runtime(_cfg(work, seccomp=False))
     tpl = make_template(work, 12)
     n = 40 if quick else 200
     total, prep, cmd, close = [], [], [], []
+    off, paired = [], []
 
     cpu = []
 
@@ -76,20 +80,30 @@ def _section_start(quick: bool, work: Path) -> dict:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
+    async def episode(runtime, name: str) -> tuple[float, float, float, float]:  # noqa: ANN001
+        """prepare, command and close times (s) of one episode, and its CPU time."""
+        c0 = cpu_s()
+        t0 = time.perf_counter()
+        ws = await runtime.prepare(tpl, episode_id=name)
+        t1 = time.perf_counter()
+        r = await runtime.run(ws, ["true"])
+        t2 = time.perf_counter()
+        await runtime.close(ws)
+        t3 = time.perf_counter()
+        assert r.returncode == 0, r
+        return t1 - t0, t2 - t1, t3 - t2, cpu_s() - c0
+
     async def go() -> None:
         for i in range(n + 3):
-            c0 = cpu_s()
-            t0 = time.perf_counter()
-            ws = await rt.prepare(tpl, episode_id=f"start-{i}")
-            t1 = time.perf_counter()
-            r = await rt.run(ws, ["true"])
-            t2 = time.perf_counter()
-            await rt.close(ws)
-            t3 = time.perf_counter()
-            assert r.returncode == 0, r
+            # the filter on and off one after the other, in alternating order, so drift hits both alike
+            first_on = i % 2 == 0
+            a = await episode(rt if first_on else rt_off, f"start-{i}-a")
+            b = await episode(rt_off if first_on else rt, f"start-{i}-b")
+            on_, off_ = (a, b) if first_on else (b, a)
             if i >= 3:  # warm-up
-                total.append(t3 - t0), prep.append(t1 - t0), cmd.append(t2 - t1), close.append(t3 - t2)
-                cpu.append(cpu_s() - c0)
+                p_, c_, cl_, cpu_ = on_
+                total.append(p_ + c_ + cl_), prep.append(p_), cmd.append(c_), close.append(cl_), cpu.append(cpu_)
+                off.append(sum(off_[:3])), paired.append(total[-1] - off[-1])
 
     asyncio.run(go())
     bare = []
@@ -108,6 +122,8 @@ def _section_start(quick: bool, work: Path) -> dict:
         "start_prepare_p50_ms": round(_pct(prep, 0.5) * ms, 2),
         "start_command_p50_ms": round(_pct(cmd, 0.5) * ms, 2),
         "start_close_p50_ms": round(_pct(close, 0.5) * ms, 2),
+        "start_seccomp_off_p50_ms": round(_pct(off, 0.5) * ms, 2),
+        "seccomp_start_overhead_ms": round(statistics.median(paired) * ms, 2),
         "bare_bwrap_true_p50_ms": round(_pct(bare, 0.5) * ms, 2),
         "start_cpu_ms_mean": round(statistics.mean(cpu) * ms, 2),
         "load_average_1m": round(os.getloadavg()[0], 1),

@@ -8,13 +8,20 @@ session, and death with its parent. As root the command runs as the workspace's 
 user bubblewrap's user namespace does the same. Limits (CPU, address space, file size, processes) are set
 by ``prlimit`` on bwrap and inherited. When bwrap exits, its PID namespace goes, and with it every
 process the command started (``setsid``, daemons): nothing outlives a command.
+
+The kernel's shared state is closed as container runtimes close it: a seccomp filter (``envs/seccomp.py``,
+``rollout.envs.seccomp``) refuses keyrings, ptrace, mounts, new namespaces, bpf, io_uring and the rest of
+Docker's list; every command first joins a fresh anonymous session keyring (``keyctl session -``), so none
+inherits the job's; ``/proc/sys``, ``/proc/sysrq-trigger`` and ``/proc/fs`` are read-only and
+``/proc/keys``, ``/proc/kcore`` and friends read as empty files.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import hashlib
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,8 @@ from arborl.config import EnvsConfig
 from arborl.envs.base import ENV_RUNTIMES, CommandResult, EnvError, InfraError, SandboxUnavailableError, Workspace
 from arborl.envs.host import HostRuntime
 from arborl.envs.proc import rlimit_prefix, run_process
+from arborl.envs.seccomp import program as seccomp_program
+from arborl.envs.seccomp import program_fd as seccomp_fd
 from arborl.envs.workspace import copy_tree, remove_tree
 
 _ETC = (
@@ -34,6 +43,13 @@ _ETC = (
     "mime.types", "os-release", "debian_version",
 )  # fmt: skip
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# /proc inside: these read-only (as root bubblewrap itself covers /proc/irq and /proc/bus; as another user it
+# leaves them, so they are added), these as empty files
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs")
+_PROC_READ_ONLY_USER = ("irq", "bus")
+_PROC_MASKED = ("keys", "key-users", "kcore", "timer_list", "sched_debug", "latency_stats")
+KEYCTL = "/usr/bin/keyctl"
+_JOINED = re.compile(r"\AJoined session keyring: -?\d+\n")  # what `keyctl session` says on stderr first
 _FIX = (
     "install bubblewrap (`apt-get install -y bubblewrap` as root, or `make venv`), or, knowing that agent "
     "commands then run with NO isolation on this machine, opt in with `--set rollout.envs.runtime=local`"
@@ -62,6 +78,11 @@ def check_bwrap(bwrap: str) -> str:
         )
     if shutil.which("prlimit") is None or (os.geteuid() == 0 and not os.path.exists("/usr/bin/setpriv")):
         raise SandboxUnavailableError("the sandbox needs prlimit and setpriv from util-linux: apt-get install -y util-linux")
+    if not os.access(KEYCTL, os.X_OK):
+        raise SandboxUnavailableError(
+            f"the sandbox needs {KEYCTL} (keyutils: every command joins a fresh session keyring): "
+            "apt-get install -y keyutils (or `make venv`)"
+        )
     return path
 
 
@@ -92,6 +113,7 @@ def _build_etc(root: Path, cfg: EnvsConfig) -> Path:
                 copy_tree(src, staging / name, uid=None)
             elif src.is_file():
                 shutil.copyfile(src, staging / name)
+        (staging / "empty").write_bytes(b"")  # bound over /proc/keys and friends
         users = ["root:x:0:0:root:/root:/bin/sh", "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"]
         groups = ["root:x:0:", "nogroup:x:65534:"]
         for uid in range(cfg.sandbox_uid_base, cfg.sandbox_uid_base + cfg.sandbox_uids) if os.geteuid() == 0 else [os.getuid()]:
@@ -155,6 +177,15 @@ class BwrapRuntime(HostRuntime):
         self.bwrap = check_bwrap(self.cfg.bwrap_path)
         self.drop_uid = self.is_root
         self.etc = build_etc(self.root, self.cfg)
+        if self.cfg.seccomp:
+            seccomp_program()  # built once per process; a missing libseccomp fails here, saying how to fix it
+        self.proc_args = []
+        for name in _PROC_READ_ONLY + (() if self.is_root else _PROC_READ_ONLY_USER):
+            if os.path.exists(f"/proc/{name}"):
+                self.proc_args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+        for name in _PROC_MASKED:
+            if os.path.exists(f"/proc/{name}"):
+                self.proc_args += ["--ro-bind", str(self.etc / "empty"), f"/proc/{name}"]
         # a config file's relative paths were made absolute from its folder when it loaded (config_paths.py);
         # --set ones from the working directory; what is still relative (a Config built in code) is the cwd's
         self.ro_binds = [str(Path(p).resolve()) for p in self.cfg.ro_binds]
@@ -174,8 +205,8 @@ class BwrapRuntime(HostRuntime):
             a += ["--unshare-user", "--disable-userns"]
         a += ["--ro-bind", "/usr", "/usr", *_system_links(), "--ro-bind", str(self.etc), "/etc"]
         # /tmp first: a bind below it (a socket, a ro_binds path) must land on the tmpfs, not under it
-        a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(cfg.tmp_mb * 1024 * 1024),
-              "--tmpfs", "/tmp"]  # fmt: skip
+        a += ["--proc", "/proc", *self.proc_args, "--dev", "/dev", "--perms", "1777",
+              "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]  # fmt: skip
         binds = [str(d) for d in _python_dirs()] if cfg.bind_python else []
         binds += [p for p in self.ro_binds if Path(p).exists()]
         for p in binds:
@@ -193,11 +224,12 @@ class BwrapRuntime(HostRuntime):
         a += ["--remount-ro", "/", "--chdir", cfg.workspace_path]
         uid = ws.extra.get("uid")
         if isinstance(uid, int):
-            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--", "/usr/bin/setpriv",
-                  "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
+            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        # a fresh anonymous session keyring first: the job's own (systemd, pam_keyinit, a pod's) is never inherited
+        a += ["--", KEYCTL, "session", "-"]
+        if isinstance(uid, int):
+            a += ["/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
                   "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
-        else:
-            a += ["--"]
         return a + argv
 
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
@@ -217,9 +249,12 @@ class BwrapRuntime(HostRuntime):
                     "to it: chmod it 0o666 (only sandboxes it is bound into and this host's users can reach it)"
                 )
         status_r, status_w = os.pipe()  # bwrap writes {"exit-code": N} there only if the sandbox started
+        filter_fd = seccomp_fd() if self.cfg.seccomp else None
         try:
             sandbox = self.sandbox_argv(ws, argv, unix_sockets=unix_sockets)
             sandbox[1:1] = ["--json-status-fd", str(status_w)]
+            if filter_fd is not None:
+                sandbox[1:1] = ["--seccomp", str(filter_fd)]
             res = await run_process(
                 rlimit_prefix(self.limits, nproc=True) + sandbox,
                 cwd=ws.path,
@@ -228,7 +263,7 @@ class BwrapRuntime(HostRuntime):
                 wall_s=timeout_s if timeout_s is not None else self.limits.wall_s,
                 output_bytes=self.cfg.output_kb * 1024,
                 shown_argv=argv,
-                pass_fds=(status_w,),
+                pass_fds=(status_w,) if filter_fd is None else (status_w, filter_fd),
             )
             os.set_blocking(status_r, False)
             try:
@@ -236,15 +271,19 @@ class BwrapRuntime(HostRuntime):
             except BlockingIOError:
                 status = ""
         finally:
-            for fd in (status_r, status_w):
+            for fd in (status_r, status_w, filter_fd):
+                if fd is None:
+                    continue
                 try:
                     os.close(fd)
                 except OSError:
                     pass
         if res.killed is None and '"exit-code"' not in status:
             raise InfraError(f"the sandbox did not start (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
-        if res.returncode == 1 and res.stderr.startswith("bwrap: execvp"):
-            res.returncode = 127  # bwrap could not find the program: as a shell says it
+        res.stderr = _JOINED.sub("", res.stderr, count=1)
+        if res.returncode == 1 and (res.stderr.startswith("bwrap: execvp")
+                                    or res.stderr == f"{argv[0]}: No such file or directory\n"):
+            res.returncode = 127  # bwrap (or keyctl, as another user) could not find the program: as a shell says it
         if res.killed is None and self._over_disk(ws):
             res.killed = "disk_limit"
         return res

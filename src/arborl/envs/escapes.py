@@ -5,10 +5,21 @@ host, for evidence that it got out (a secret's marker in the output, a file writ
 process dead, a connection accepted, a process still running after the timeout, ...). The tests
 (tests/test_envs_escapes.py) and ``arborl bench envs`` run the same list; against ``rollout.envs.runtime=local``
 most of them do get out, which is how the checks are known to see an escape.
+
+Besides file system, network, process and resource escapes, the list holds the kernel's shared state:
+the job's session keyring (read a key the host holds, plant one the next episode reads), a pooled uid's
+keyrings outliving its episode, ``/proc`` files a container runtime makes read-only or hides, and the
+system calls of Docker's default seccomp list (new user namespaces, io_uring, perf events, userfaultfd,
+ptrace, personality, other ABIs): each probe reports what the kernel allowed, and one that never reports
+counts as a way out.
+
+``python -m arborl.envs.escapes WORK_DIR [ENVS_ROOT]`` runs the list against the bwrap runtime and prints one
+JSON line (the tests run it as a non-root user that way).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import os
@@ -23,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from arborl.envs.base import Runtime, Workspace
+from arborl.envs import keyrings
+from arborl.envs.base import InfraError, Runtime, Workspace
 from arborl.envs.workspace import tree_bytes
 
 T = TypeVar("T")
@@ -412,11 +424,16 @@ for i in range({ctx.cfg.disk_mb * 3 // max(1, min(ctx.cfg.file_size_mb, ctx.cfg.
 print("written", written)
 """
     try:
-        out = await _run_text(ctx, ws, ["python3", "-c", src], timeout_s=20)
+        r = await ctx.runtime.run(ws, ["python3", "-c", src], timeout_s=20)
         held = tree_bytes(ws.path)
     finally:
         await ctx.runtime.close(ws)
-    return Outcome("fill_disk", held > cap * 1.05, f"workspace holds {held >> 20} MiB (cap {cap >> 20} MiB); {out[-120:]}")
+    out = r.stdout + r.stderr
+    # as root the workspace is a tmpfs of disk_mb; as another user its size is checked after each command,
+    # which is then reported killed="disk_limit" (and the episode's workspace is deleted at close)
+    escaped = held > cap * 1.05 and not (ws.extra.get("disk_cap") == "check" and r.killed == "disk_limit")
+    return Outcome("fill_disk", escaped, f"workspace holds {held >> 20} MiB (cap {cap >> 20} MiB), killed: {r.killed}; "
+                   f"{out[-120:]}")
 
 
 async def outlive_timeout(ctx: EscapeContext) -> Outcome:
@@ -439,10 +456,42 @@ async def outlive_timeout(ctx: EscapeContext) -> Outcome:
     return Outcome("outlive_timeout", escaped, detail)
 
 
+def _checkout() -> Path:
+    """The directory holding this checkout of arborl (its ``src/``), or the installed package's parent."""
+    pkg = Path(__file__).resolve().parents[1]
+    return pkg.parent.parent if pkg.parent.name == "src" else pkg.parent
+
+
+def _host_secret_paths(ctx: EscapeContext) -> list[str]:
+    """Places a host keeps secrets in, computed on this host: the run's key, the home directory's history and
+    SSH keys, the run directories of the working directory and of this checkout, pid 1's environment."""
+    home = Path.home()
+    paths = [ctx.secret, ctx.secret.parent, Path("/etc/shadow"), home / ".bash_history", home / ".ssh",
+             home / ".ssh" / "id_rsa", home, Path("/home"), Path.cwd() / "runs", _checkout() / "runs",
+             _checkout(), Path("/proc/1/environ")]  # fmt: skip
+    return list(dict.fromkeys(str(p) for p in paths))
+
+
+def _home_listing_allowed() -> set[str]:
+    """Entries of the home directory the sandbox may show: those on the way to the bound Python."""
+    from arborl.envs.bwrap import _python_dirs
+
+    home = Path.home()
+    return {d.relative_to(home).parts[0] for d in _python_dirs() if d.is_relative_to(home) and d != home}
+
+
+def _listing(text: str) -> set[str]:
+    """The names of a printed ``os.listdir`` list (never evaluated as code); unparsable counts as one name."""
+    try:
+        names = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return {text}
+    return {str(n) for n in names} if isinstance(names, list) else {text}
+
+
 async def read_host_secrets(ctx: EscapeContext) -> Outcome:
     ws = await _ws(ctx, "secrets")
-    paths = [str(ctx.secret), str(ctx.secret.parent), "/etc/shadow", "/root/.bash_history", "/root/.ssh",
-             "/root/.ssh/id_rsa", "/root", "/home", "/work/main/runs", "/proc/1/environ"]  # fmt: skip
+    paths = _host_secret_paths(ctx)
     src = f"""
 import os
 for p in {paths!r}:
@@ -455,8 +504,10 @@ for p in {paths!r}:
         out = await _py(ctx, ws, src)
     finally:
         await ctx.runtime.close(ws)
-    listed_root = "/root ['" in out.replace("/root ['.pyenv']", "")  # /root holds only the bound Python
-    escaped = ctx.secret_marker in out or "root:" in out or "PRIVATE KEY" in out or listed_root
+    home = str(Path.home())
+    listed = [line[len(home) + 1:] for line in out.splitlines() if line.startswith(home + " [")]
+    listed_home = any(_listing(entries) - _home_listing_allowed() for entries in listed)
+    escaped = ctx.secret_marker in out or "root:" in out or "PRIVATE KEY" in out or listed_home
     return Outcome("read_host_secrets", escaped, out[-300:])
 
 
@@ -516,6 +567,327 @@ async def symlink_exfiltration(ctx: EscapeContext) -> Outcome:
     return Outcome("symlink_exfiltration", ctx.secret_marker in out or written, detail)
 
 
+# -- the kernel's shared state: keyrings ---------------------------------------------------------------
+
+# system calls from inside, through ctypes (the sandbox has Python, not keyutils' library)
+_KEYS = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def arg(a):
+    return ctypes.c_long(a) if isinstance(a, int) else a if isinstance(a, ctypes.Array) else ctypes.c_char_p(a)
+def sys_(nr, *a):
+    r = libc.syscall(ctypes.c_long(nr), *map(arg, a))
+    return (r, 0) if r >= 0 else (r, ctypes.get_errno())
+def keyctl(*a):
+    return sys_(250, *a)
+def add_key(desc, payload, ring):
+    return sys_(248, b"user", desc, payload, len(payload), ring)
+def read_key(ring, desc):
+    kid, e = keyctl(10, ring, b"user", desc, 0)  # KEYCTL_SEARCH
+    if kid < 0:
+        return f"search: {os.strerror(e)}"
+    buf = ctypes.create_string_buffer(1 << 16)
+    n, e = keyctl(11, kid, buf, 1 << 16)  # KEYCTL_READ
+    return buf.raw[:n].decode("utf-8", "replace") if n >= 0 else f"read: {os.strerror(e)}"
+"""
+
+
+class _HostSessionKeyring:
+    """The job's session keyring as systemd, a pod or ``pam_keyinit`` gives one: this thread joins a new named
+    session keyring (children inherit it) holding a secret key; afterwards its keys are unlinked."""
+
+    def __init__(self, ctx: EscapeContext) -> None:
+        self.name = f"arborl-escape-{secrets.token_hex(4)}".encode()
+        keyrings.join_new_session_keyring(self.name)
+        self.secret_desc = f"arborl-escape-secret-{secrets.token_hex(4)}".encode()
+        keyrings.add_key(b"user", self.secret_desc, ctx.secret_marker.encode(), keyrings.KEY_SPEC_SESSION_KEYRING)
+
+    def has(self, desc: bytes) -> bool:
+        try:
+            keyrings.keyctl(keyrings.KEYCTL_SEARCH, keyrings.KEY_SPEC_SESSION_KEYRING, b"user", desc, 0)
+            return True
+        except keyrings.KeyringError:
+            return False
+
+    def close(self) -> None:
+        keyrings.keyctl(keyrings.KEYCTL_CLEAR, keyrings.KEY_SPEC_SESSION_KEYRING)
+
+
+async def keyring_host_session_read(ctx: EscapeContext) -> Outcome:
+    """A key the job holds in its session keyring (a secret) must not be readable inside."""
+    host = _HostSessionKeyring(ctx)
+    ws = await _ws(ctx, "keys-read")
+    try:
+        out = await _py(ctx, ws, _KEYS + f"print('read', read_key(-3, {host.secret_desc!r}))")
+    finally:
+        await ctx.runtime.close(ws)
+        host.close()
+    return Outcome("keyring_host_session_read", ctx.secret_marker in out, out[-300:])
+
+
+async def keyring_host_session_write(ctx: EscapeContext) -> Outcome:
+    """A key planted in the session keyring must reach neither the job's keyring nor a later episode."""
+    host = _HostSessionKeyring(ctx)
+    desc, payload = f"planted-{secrets.token_hex(4)}".encode(), f"PLANTED-{secrets.token_hex(6)}"
+    first, second = await _ws(ctx, "keys-write"), await _ws(ctx, "keys-write-next")
+    try:
+        wrote = await _py(ctx, first, _KEYS + f"print('add', add_key({desc!r}, {payload.encode()!r}, -3))")
+        in_host = host.has(desc)
+        read = await _py(ctx, second, _KEYS + f"print('read', read_key(-3, {desc!r}))")
+    finally:
+        for ws in (first, second):
+            await ctx.runtime.close(ws)
+        host.close()
+    detail = f"in the job's keyring: {in_host}; wrote: {wrote[-120:]}; the next episode read: {read[-150:]}"
+    return Outcome("keyring_host_session_write", in_host or payload in read, detail)
+
+
+async def keyring_uid_outlives_episode(ctx: EscapeContext) -> Outcome:
+    """Hidden tests stashed in the evaluation uid's keyrings (@u, @us, persistent) must not reach the next
+    episode that runs as that uid (as root the uid goes back to the pool; otherwise it is the job's own).
+    An evaluation that never says its uid counts as a way out: it cannot show the stash went nowhere."""
+    desc = f"stash-{secrets.token_hex(4)}".encode()
+    stash = _KEYS + f"""
+text = open("{ctx.hidden.name}/test_calc.py", "rb").read()
+p, _ = keyctl(22, -1, -3)  # the uid's persistent keyring, linked into the session keyring
+print("uid", os.getuid(), [add_key({desc!r}, text, ring) for ring in (-4, -5, p)])
+"""
+    read = _KEYS + f"""
+p, _ = keyctl(22, -1, -3)
+print("uid", os.getuid(), [read_key(ring, {desc!r}) for ring in (-4, -5, p)])
+"""
+    for _ in range(3):  # another workspace may draw the released uid first: then evaluate again
+        ws = await _ws(ctx, "keys-uid")
+        try:
+            r = await ctx.runtime.evaluate(ws, ctx.hidden, ["python3", "-c", stash])
+        finally:
+            await ctx.runtime.close(ws)
+        fields = r.stdout.split("uid ", 1)[1].split() if "uid " in r.stdout else ["?"]
+        if not fields[0].isdigit():
+            return Outcome("keyring_uid_outlives_episode", True, f"the evaluation said no uid: {(r.stdout + r.stderr)[-200:]}")
+        runtime = ctx.runtime
+        if getattr(ctx.runtime, "drop_uid", False):  # root: a runtime whose pool is that one uid
+            runtime = type(ctx.runtime)(ctx.cfg.model_copy(update={"sandbox_uid_base": int(fields[0]), "sandbox_uids": 1}))
+        try:
+            later = await runtime.prepare(ctx.template, episode_id=f"escape-keys-uid-next-{secrets.token_hex(3)}")
+        except InfraError:
+            continue
+        try:
+            res = await runtime.run(later, ["python3", "-c", read])
+        finally:
+            await runtime.close(later)
+        out = res.stdout + res.stderr
+        return Outcome("keyring_uid_outlives_episode", ctx.hidden_marker in out or f"uid {fields[0]} " not in out,
+                       f"evaluation: {(r.stdout + r.stderr)[-150:]}; later episode: {out[-200:]}")
+    raise InfraError("keyring_uid_outlives_episode: the evaluation's uid was drawn by another workspace three times")
+
+
+async def keyring_calls(ctx: EscapeContext) -> Outcome:
+    """The keyring system calls themselves (add_key, request_key, keyctl other than joining a fresh
+    session keyring) reach the kernel's keyrings: refused inside."""
+    ws = await _ws(ctx, "keys-calls")
+    src = _KEYS + """
+res = {"add_key": add_key(b"mine", b"x", -2), "request_key": sys_(249, b"user", b"mine", 0, -2),  # -2: its own
+       "describe": keyctl(6, -3, ctypes.create_string_buffer(256), 256), "user_keyring": keyctl(0, -4, 0)}
+print("allowed", sorted(k for k, (r, e) in res.items() if r >= 0), res, "DONE")
+"""
+    try:
+        out = await _py(ctx, ws, src)
+    finally:
+        await ctx.runtime.close(ws)
+    return Outcome("keyring_calls", "allowed []" not in out or "DONE" not in out, out[-300:])
+
+
+async def proc_keys_lists_host_keys(ctx: EscapeContext) -> Outcome:
+    """/proc/keys lists the keys a process may view, the job's session keys among them: masked inside."""
+    host = _HostSessionKeyring(ctx)
+    ws = await _ws(ctx, "proc-keys")
+    try:
+        out = await _run_text(ctx, ws, ["sh", "-c", "cat /proc/keys /proc/key-users; echo DONE"])
+    finally:
+        await ctx.runtime.close(ws)
+        host.close()
+    return Outcome("proc_keys_lists_host_keys", host.secret_desc.decode() in out, out[-300:])
+
+
+# -- evaluation and /proc ---------------------------------------------------------------------------------
+
+
+async def hidden_tests_keep_agent_files(ctx: EscapeContext) -> Outcome:
+    """Files the agent left in the hidden tests' directory (another name than the tests') must not be in
+    the evaluation copy: the hidden tests replace the directory."""
+    ws = await _ws(ctx, "hidden-merge")
+    name = ctx.hidden.name
+    try:
+        await ctx.runtime.run(ws, ["sh", "-c", f"mkdir -p {name} && echo 'def test_agent(): pass' > {name}/test_agent.py"
+                                   f" && echo x > {name}/agent_note.txt"])
+        r = await ctx.runtime.evaluate(ws, ctx.hidden, ["sh", "-c", f"ls -a {name}; echo DONE"])
+    finally:
+        await ctx.runtime.close(ws)
+    out = r.stdout + r.stderr
+    return Outcome("hidden_tests_keep_agent_files", "test_agent.py" in out or "agent_note" in out or "DONE" not in out,
+                   out[-300:])
+
+
+async def proc_sys_writable(ctx: EscapeContext) -> Outcome:
+    """/proc/sys, /proc/sysrq-trigger and friends are read-only mounts inside, as in container runtimes."""
+    ws = await _ws(ctx, "proc-sys")
+    src = """
+import os
+rw = []
+for p in ["/proc/sys", "/proc/sys/kernel", "/proc/sys/net", "/proc/sys/vm", "/proc/sysrq-trigger", "/proc/fs",
+          "/proc/irq", "/proc/bus"]:
+    if os.path.exists(p) and not os.statvfs(p).f_flag & os.ST_RDONLY:
+        rw.append(p)
+print("writable mounts", rw, "DONE")
+"""
+    try:
+        out = await _py(ctx, ws, src)
+    finally:
+        await ctx.runtime.close(ws)
+    return Outcome("proc_sys_writable", "writable mounts []" not in out, out[-300:])
+
+
+async def proc_kernel_files(ctx: EscapeContext) -> Outcome:
+    """/proc files a container runtime hides (timers and scheduler state of the whole machine, kernel
+    memory, every uid's key quota) read as empty inside."""
+    ws = await _ws(ctx, "proc-hidden")
+    src = """
+import os
+seen = {}
+for name in ["timer_list", "sched_debug", "key-users", "keys", "kcore", "latency_stats"]:
+    try:
+        with open("/proc/" + name, "rb") as f:
+            seen[name] = len(f.read(4096))
+    except OSError as e:
+        seen[name] = e.strerror
+print("non-empty", sorted(k for k, v in seen.items() if isinstance(v, int) and v > 0), seen, "DONE")
+"""
+    try:
+        out = await _py(ctx, ws, src)
+    finally:
+        await ctx.runtime.close(ws)
+    return Outcome("proc_kernel_files", "non-empty []" not in out, out[-300:])
+
+
+# -- system calls of Docker's default seccomp list ------------------------------------------------------
+
+# each probe prints "ALLOWED <what>" for a call the kernel carried out, then DONE; one that never says DONE
+# (crashed, killed) counts as a way out: it cannot show that the calls were refused
+_SYS = _KEYS + """
+import mmap, signal, struct, time
+def report(what, r, e):
+    print(("ALLOWED " if r >= 0 else "refused ") + what, r, os.strerror(e) if e else "", flush=True)
+def in_child(nr, *a):  # a clone-like call: the child leaves at once
+    r, e = sys_(nr, *a)
+    if r == 0:
+        os._exit(0)
+    if r > 0:
+        os.waitpid(r, 0)
+    return r, e
+"""
+
+
+async def _probe(ctx: EscapeContext, name: str, body: str) -> Outcome:
+    ws = await _ws(ctx, name.replace("_", "-"))
+    try:
+        out = await _py(ctx, ws, _SYS + textwrap.dedent(body) + "\nprint('DONE')\n")
+    finally:
+        await ctx.runtime.close(ws)
+    return Outcome(name, "ALLOWED" in out or "DONE" not in out, out[-300:])
+
+
+async def user_namespace(ctx: EscapeContext) -> Outcome:
+    """A new user namespace (root inside it, and the kernel code it opens): refused."""
+    return await _probe(ctx, "user_namespace", """
+        child = os.fork()  # in a child: the probe itself stays as it was
+        if child == 0:
+            r, e = sys_(272, 0x10000000)  # unshare(CLONE_NEWUSER)
+            os._exit(0 if r == 0 else min(e, 255) or 255)
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        report("unshare(CLONE_NEWUSER)", 0 if code == 0 else -1, max(code, 0))
+    """)
+
+
+async def clone_new_namespaces(ctx: EscapeContext) -> Outcome:
+    """clone with CLONE_NEWUSER (and the rest of CLONE_NEW*), and clone3, whose flags a filter cannot read."""
+    return await _probe(ctx, "clone_new_namespaces", """
+        report("clone(CLONE_NEWUSER)", *in_child(56, 0x10000000 | signal.SIGCHLD, 0, 0, 0, 0))
+        report("clone(CLONE_NEWUSER|CLONE_NEWNET)", *in_child(56, 0x50000000 | signal.SIGCHLD, 0, 0, 0, 0))
+        args = ctypes.create_string_buffer(struct.pack("11Q", 0x10000000, 0, 0, 0, signal.SIGCHLD, 0, 0, 0, 0, 0, 0))
+        report("clone3(CLONE_NEWUSER)", *in_child(435, args, 88))
+    """)
+
+
+async def io_uring(ctx: EscapeContext) -> Outcome:
+    return await _probe(ctx, "io_uring", """
+        params = ctypes.create_string_buffer(120)
+        report("io_uring_setup", *sys_(425, 8, params))
+    """)
+
+
+async def perf_events(ctx: EscapeContext) -> Outcome:
+    return await _probe(ctx, "perf_events", """
+        attr = bytearray(128)
+        struct.pack_into("IIQ", attr, 0, 1, 128, 1)  # PERF_TYPE_SOFTWARE, size, PERF_COUNT_SW_TASK_CLOCK
+        struct.pack_into("Q", attr, 40, 1 | 1 << 5 | 1 << 6)  # disabled, exclude_kernel, exclude_hv
+        report("perf_event_open", *sys_(298, ctypes.create_string_buffer(bytes(attr)), 0, -1, -1, 0))
+    """)
+
+
+async def userfaultfd(ctx: EscapeContext) -> Outcome:
+    return await _probe(ctx, "userfaultfd", """
+        report("userfaultfd(UFFD_USER_MODE_ONLY)", *sys_(323, os.O_CLOEXEC | 1))
+    """)
+
+
+async def personality_flags(ctx: EscapeContext) -> Outcome:
+    """personality(ADDR_NO_RANDOMIZE / READ_IMPLIES_EXEC / MMAP_PAGE_ZERO): address-space layout switches."""
+    return await _probe(ctx, "personality_flags", """
+        for what, flag in [("ADDR_NO_RANDOMIZE", 0x0040000), ("READ_IMPLIES_EXEC", 0x0400000),
+                           ("MMAP_PAGE_ZERO", 0x0100000), ("ADDR_NO_RANDOMIZE with bit 31", 0x80040000)]:
+            r, e = sys_(135, flag)
+            report("personality " + what, *(sys_(135, 0xffffffff) if r >= 0 else (r, e)))
+            sys_(135, 0)
+    """)
+
+
+async def foreign_abi(ctx: EscapeContext) -> Outcome:
+    """System calls of another ABI (ia32 through int 0x80, x32) escape a filter written for the native one."""
+    return await _probe(ctx, "foreign_abi", """
+        code = bytes([0xb8, 20, 0, 0, 0, 0xcd, 0x80, 0xc3])  # mov eax, 20 (ia32 getpid); int 0x80; ret
+        buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        buf.write(code)
+        fn = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+        got = fn()
+        report("ia32 getpid", got if got == os.getpid() else -1, 0 if got == os.getpid() else -got)
+        r, e = sys_(0x40000000 + 39)
+        report("x32 getpid", r if r == os.getpid() else -1, e)
+    """)
+
+
+async def trace_own_children(ctx: EscapeContext) -> Outcome:
+    """ptrace and process_vm_readv, even on the command's own children (the kernel code behind them)."""
+    return await _probe(ctx, "trace_own_children", """
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        try:
+            report("ptrace(PTRACE_SEIZE, child)", *sys_(101, 0x4206, child, 0, 0))
+            local, remote = ctypes.create_string_buffer(8), ctypes.create_string_buffer(8)
+            iov_l = struct.pack("QQ", ctypes.addressof(local), 8)
+            iov_r = struct.pack("QQ", ctypes.addressof(remote), 8)
+            report("process_vm_readv(child)", *sys_(310, child, ctypes.create_string_buffer(iov_l), 1,
+                                                    ctypes.create_string_buffer(iov_r), 1, 0))
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    """)
+
+
 ESCAPES: list[Callable[[EscapeContext], Awaitable[Outcome]]] = [
     hidden_tests_by_path,
     hidden_tests_via_proc,
@@ -533,11 +905,28 @@ ESCAPES: list[Callable[[EscapeContext], Awaitable[Outcome]]] = [
     ptrace_processes,
     gain_privileges,
     symlink_exfiltration,
+    keyring_host_session_read,
+    keyring_host_session_write,
+    keyring_uid_outlives_episode,
+    keyring_calls,
+    proc_keys_lists_host_keys,
+    hidden_tests_keep_agent_files,
+    proc_sys_writable,
+    proc_kernel_files,
+    user_namespace,
+    clone_new_namespaces,
+    io_uring,
+    perf_events,
+    userfaultfd,
+    personality_flags,
+    foreign_abi,
+    trace_own_children,
 ]
 # what these do when they get out would harm the host (`kill -9 -1` as root, a fork bomb, a mount,
 # stopping a traced process):
 # never run them where nothing contains them
-UNSAFE_UNSANDBOXED = {signal_host_process, fork_bomb, gain_privileges, ptrace_processes}
+# (keyring_uid_outlives_episode would leave the hidden tests in this user's own keyrings)
+UNSAFE_UNSANDBOXED = {signal_host_process, fork_bomb, gain_privileges, ptrace_processes, keyring_uid_outlives_episode}
 
 
 async def run_escapes(runtime: Runtime, work: Path) -> list[Outcome]:
@@ -546,3 +935,26 @@ async def run_escapes(runtime: Runtime, work: Path) -> list[Outcome]:
     ctx = make_context(runtime, work)
     unsafe = UNSAFE_UNSANDBOXED if runtime.name == "local" else set()
     return [await attempt(ctx) for attempt in ESCAPES if attempt not in unsafe]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m arborl.envs.escapes WORK_DIR [ENVS_ROOT]``: the list against bwrap, one JSON line."""
+    import json
+    import sys
+
+    from arborl.config import EnvsConfig
+    from arborl.envs import make_runtime
+
+    args = sys.argv[1:] if argv is None else argv
+    work = Path(args[0])
+    root = Path(args[1]) if len(args) > 1 else work / "envs"
+    runtime = make_runtime(EnvsConfig(runtime="bwrap", root_dir=str(root), disk_mb=16, file_size_mb=8,
+                                      processes=32, tmp_mb=8, wall_s=20))
+    outcomes = asyncio.run(run_escapes(runtime, work / "work"))
+    print(json.dumps({"uid": os.geteuid(), "attempts": len(outcomes), "escaped": [o.name for o in outcomes if o.escaped],
+                      "details": {o.name: o.detail for o in outcomes if o.escaped}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -147,9 +147,13 @@ class HostRuntime:
             for src, rel in [(source, ".")] + extra:
                 dst = path / rel
                 if rel != ".":
+                    # the hidden tests replace whatever the agent left at their name (a file, a link, a
+                    # directory with files of its own): nothing of the agent's is merged into them
                     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
-                        dst.unlink()  # the agent's file in the hidden tests' place does not survive
-                    dst.mkdir(exist_ok=True)
+                        dst.unlink()
+                    elif dst.exists():
+                        remove_tree(dst)
+                    dst.mkdir()
                     os.chown(dst, uid, uid) if uid is not None else None
                 if self.cfg.copy_mode == "cp" and rel == ".":
                     copy_with_cp(src, dst, uid=uid)

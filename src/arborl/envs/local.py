@@ -2,9 +2,10 @@
 
 Commands run as this user, in the workspace directory, with the same CPU, memory and file-size limits,
 wall-clock timeout (the command's process group is killed) and output cap, but they can read and write
-anything this user can, reach the network, and leave ``setsid`` processes behind. For trusted commands
-and machines without bubblewrap only; it is never chosen unless configured, and says so loudly once per
-process.
+anything this user can, reach the network, and leave ``setsid`` processes behind (``close`` kills those
+still working in the workspace directory; one that moved elsewhere it cannot tell from the host's own).
+For trusted commands and machines without bubblewrap only; it is never chosen unless configured, and says
+so loudly once per process.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ class LocalRuntime(HostRuntime):
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         super().__init__(cfg)
         _warn_once()
+
+    def _kill_leftovers(self, ws) -> None:  # noqa: ANN001
+        """Kill this user's processes whose working directory or root is in the workspace (daemons a
+        command left: nothing contains them here)."""
+        inside = str(ws.path)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) == os.getpid():
+                continue
+            try:
+                if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                    continue
+                places = [os.readlink(f"/proc/{pid}/cwd"), os.readlink(f"/proc/{pid}/root")]
+            except OSError:
+                continue
+            if any(p == inside or p.startswith(inside + "/") for p in places):
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
 
     async def _exec(self, ws, argv, *, timeout_s, env, stdin, unix_sockets) -> CommandResult:  # noqa: ANN001
         full_env: dict[str, str] = dict(os.environ)

@@ -6,17 +6,25 @@ else's. A uid is held by an ``flock`` on ``<lock_dir>/<uid>.lock`` until release
 the host, so the lock directory does too (``host_lock_dir``), whatever each runtime's ``root_dir``:
 runtimes in several processes (rollout workers, two jobs on one machine) never share one. Two sandboxes
 on one uid would share a process cap, and closing one kills every process of its uid.
+
+A uid's kernel keyrings (``@u``, ``@us``, its persistent keyring) outlive every process of the uid, so the
+pool empties them when it hands a uid out and when it takes it back (``keyrings.clear_user_keyrings``):
+what one episode stored there never reaches the next episode that draws the uid.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import tempfile
 from pathlib import Path
 
 from arborl.envs.base import InfraError
+from arborl.envs.keyrings import clear_user_keyrings
+
+log = logging.getLogger(__name__)
 
 
 def host_lock_dir() -> Path:
@@ -44,6 +52,11 @@ class UidPool:
             except BlockingIOError:
                 os.close(fd)
                 continue
+            try:
+                clear_user_keyrings(uid)  # a holder that crashed before releasing it left them as they were
+            except OSError as e:
+                os.close(fd)
+                raise InfraError(f"cannot clear the kernel keyrings of sandbox uid {uid}: {e}") from e
             self._held[uid] = fd
             return uid
         raise InfraError(
@@ -53,7 +66,12 @@ class UidPool:
     def release(self, uid: int) -> None:
         fd = self._held.pop(uid, None)
         if fd is not None:
-            os.close(fd)
+            try:
+                clear_user_keyrings(uid)
+            except OSError as e:  # the next acquire clears them before anyone runs as the uid
+                log.warning("cannot clear the kernel keyrings of sandbox uid %d on release: %s", uid, e)
+            finally:
+                os.close(fd)
 
     def in_use(self) -> int:
         return len(self._held)

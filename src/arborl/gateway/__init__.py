@@ -16,6 +16,7 @@ from arborl.gateway.errors import (
     EngineFailedError,
     GatewayError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from arborl.gateway.sessions import Session
@@ -28,6 +29,7 @@ __all__ = [
     "Gateway",
     "GatewayError",
     "NotFoundError",
+    "PermissionDeniedError",
     "RequestRun",
     "Session",
     "SessionInfo",

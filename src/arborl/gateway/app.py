@@ -5,10 +5,12 @@ Routes (``Authorization: Bearer <key>``):
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` -- session key; ``stream: true`` gives SSE.
 * ``GET /v1/models``, ``GET /v1/models/{id}`` -- any valid key (admin or session).
 * ``POST /v1/sessions`` -- admin key; body ``{task_id, group_id, stitching, agent_kind, metadata}``
-  (all optional); returns ``session_id``, ``api_key``, ``base_url``.
-* ``GET /v1/sessions/{id}``, ``POST /v1/sessions/{id}/reward`` (``{value, name?, call_id?}``),
-  ``POST /v1/sessions/{id}/finish`` (``{status?}``), ``GET /v1/sessions/{id}/trajectory`` -- that
-  session's key only.
+  (all optional); returns ``session_id``, ``api_key`` (the agent's), ``harness_key``, ``base_url``.
+* ``GET /v1/sessions/{id}``, ``POST /v1/sessions/{id}/finish`` (``{status?}``),
+  ``GET /v1/sessions/{id}/trajectory`` -- that session's key only.
+* ``POST /v1/sessions/{id}/reward`` (``{value, name?, call_id?}``) -- the session's harness key or the admin
+  key (the task's scorer); its agent key only where the session trusts its agent (``rollout.trust_agent_rewards``),
+  else 403.
 * ``GET /health`` -- no key.
 * ``GET /openapi.json`` (the OpenAPI schema, request bodies included), ``GET /docs`` (Swagger UI; it
   loads its scripts from a CDN) -- no key.
@@ -214,6 +216,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             "session_id": info.session_id,
             "episode_id": info.session_id,
             "api_key": info.api_key,
+            "harness_key": info.harness_key,
             "base_url": str(request.base_url).rstrip("/") + "/v1",
             "stitching": info.session.stitching,
         }
@@ -227,7 +230,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id}/reward", dependencies=_bearer, openapi_extra=_body_doc(RewardPost))
     async def reward(session_id: str, request: Request) -> dict:
-        s = gw.sessions.for_path(_key(request), session_id)
+        s = gw.sessions.for_reward(_key(request), session_id)
         spec = parse(RewardPost, await _body(request))
         return await gw.add_reward(s, spec.value, name=spec.name, call_id=spec.call_id)
 

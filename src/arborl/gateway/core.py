@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class SessionInfo:
     session: Session
-    api_key: str
+    api_key: str  # the agent's key (what a black-box or sandboxed agent program is given)
+    harness_key: str | None = None  # the harness's key: rewards too, whatever the agent is trusted with
 
     @property
     def session_id(self) -> str:
@@ -60,6 +61,7 @@ class Gateway:
     ``engines``: engines (``engine.face.EngineFace``) serving the same policy. ``tokenizer`` may be None for a model
     without one (then only token-in requests work). The admin key is ``admin_key``, else
     ``$ARBORL_ADMIN_KEY``, else ``config.admin_key``, else a random one (``self.admin_key``).
+    ``trust_agent_rewards`` (``rollout.trust_agent_rewards``): new sessions let their agent key post rewards.
     """
 
     def __init__(
@@ -74,8 +76,10 @@ class Gateway:
         max_seq_len: int | None = None,
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        trust_agent_rewards: bool = False,
     ) -> None:
         self.config = config or GatewayConfig()
+        self.trust_agent_rewards = bool(trust_agent_rewards)
         self.engines = engines
         self.max_seq_len = int(max_seq_len or engines.max_seq_len)
         self.vocab_size = int(vocab_size or engines.vocab_size)
@@ -106,20 +110,24 @@ class Gateway:
         stitching: bool | None = None,
         metadata: dict[str, Any] | None = None,
         episode_id: str | None = None,
+        trust_rewards: bool | None = None,
     ) -> SessionInfo:
-        """A new session = a new running episode in the data pool, with its own key."""
+        """A new session = a new running episode in the data pool, with its own agent key and harness key;
+        ``trust_rewards`` (default: the gateway's ``trust_agent_rewards``) lets the agent key post rewards."""
         stitch = self.config.stitching if stitching is None else bool(stitching)
         ep = Episode(task_id=task_id, group_id=group_id, agent_kind=agent_kind, meta=episode_meta(metadata or {}, stitch))
         if episode_id:
             ep.episode_id = episode_id
-        session = Session(episode=ep, stitching=stitch)
-        key = new_key()
+        trusted = self.trust_agent_rewards if trust_rewards is None else bool(trust_rewards)
+        session = Session(episode=ep, stitching=stitch, trust_rewards=trusted)
+        key, harness_key = new_key(), new_key()
         await asyncio.to_thread(self.pool.put_episode, ep)
-        self.sessions.add(session, key)
-        return SessionInfo(session, key)
+        self.sessions.add(session, key, harness_key)
+        return SessionInfo(session, key, harness_key)
 
     async def add_reward(self, session: Session, value: float, *, name: str = "agent", call_id: str | None = None) -> dict[str, Any]:
-        """A step / process reward from the agent side, kept in ``episode.meta["rewards"]``."""
+        """A step / process reward, kept in ``episode.meta["rewards"]``. In-process callers are the harness;
+        over HTTP the route checks who may post (``SessionStore.for_reward``)."""
         if call_id is not None:
             call = await asyncio.to_thread(self.pool.get_call, call_id)
             if call is None or call.episode_id != session.session_id:

@@ -39,6 +39,13 @@ class AuthenticationError(GatewayError):
     type = "authentication_error"
 
 
+class PermissionDeniedError(GatewayError):
+    """A valid key that may not do this (403), e.g. an untrusted agent posting its own reward."""
+
+    status = 403
+    type = "permission_denied_error"
+
+
 class NotFoundError(GatewayError, LookupError):
     """Unknown model, route or call (404)."""
 

@@ -2,7 +2,10 @@
 
 A session *is* an episode of the data pool (``session_id == episode_id``). Its key (``sk-arborl-...``)
 is the only credential that can call the model in it or read and write it; keys are kept as
-SHA-256 digests. Everything here is guarded by locks, so the HTTP server's event loop and
+SHA-256 digests. A session has a second key, the harness key, for the code that runs the episode (a
+white-box agent loop, a rollout worker, the task's scorer): only it (or the admin key) posts process
+rewards, unless the session trusts its agent (``rollout.trust_agent_rewards``): the agent key is what
+a black-box or sandboxed agent program holds, and an untrusted program must not reward itself. Everything here is guarded by locks, so the HTTP server's event loop and
 in-process (white-box) callers on other threads may use the same sessions.
 """
 
@@ -16,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from arborl.gateway.errors import AuthenticationError, ConflictError
+from arborl.gateway.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from arborl.gateway.stitching import SessionHistory
 from arborl.types import Episode, EpisodeStatus
 
@@ -40,6 +43,7 @@ class Session:
     calls: int = 0  # calls recorded
     in_flight: int = 0  # requests being served
     last_call_id: str | None = None
+    trust_rewards: bool = False  # its agent key may post rewards (rollout.trust_agent_rewards)
 
     @property
     def session_id(self) -> str:
@@ -65,13 +69,17 @@ class SessionStore:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}  # key digest -> session id
+        self._harness: set[str] = set()  # digests of harness keys
 
-    def add(self, session: Session, key: str) -> None:
+    def add(self, session: Session, key: str, harness_key: str | None = None) -> None:
         with self._lock:
             if session.session_id in self._sessions:
                 raise ConflictError(f"session {session.session_id} already exists")
             self._sessions[session.session_id] = session
             self._by_key[_digest(key)] = session.session_id
+            if harness_key is not None:
+                self._by_key[_digest(harness_key)] = session.session_id
+                self._harness.add(_digest(harness_key))
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:
@@ -103,6 +111,23 @@ class SessionStore:
             hint = " (the admin key creates sessions; model calls need a session key)" if self.is_admin(key) else ""
             raise AuthenticationError("invalid API key: use the api_key of a session from POST /v1/sessions" + hint)
         return session
+
+    def for_reward(self, key: str | None, session_id: str) -> Session:
+        """The session a reward is posted to: with the admin key (the task's scorer) or the session's harness
+        key, always; with its agent key, only if the session trusts its agent; 401/403/404 otherwise."""
+        if self.is_admin(key):
+            session = self.get(session_id)
+            if session is None:
+                raise NotFoundError(f"no session {session_id!r}")
+            return session
+        session = self.for_path(key, session_id)
+        if _digest(key) in self._harness or session.trust_rewards:  # type: ignore[arg-type]
+            return session
+        raise PermissionDeniedError(
+            "this session's agent may not post rewards on its own session (rollout.trust_agent_rewards=false): "
+            "rewards come from the harness (its harness key or the admin key); set rollout.trust_agent_rewards=true "
+            "only for an agent program you trust"
+        )
 
     def for_path(self, key: str | None, session_id: str) -> Session:
         """The session named in a URL path, if ``key`` is its key; 401 otherwise (whether or not it exists)."""

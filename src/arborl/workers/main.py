@@ -3,7 +3,8 @@
 Protocol, one JSON object per line: the pool writes to the worker's stdin
 
     {"kind": "init", "rollout": {...the rollout config...}, "base_url": "http://.../v1", "model": "..."}
-    {"kind": "episode", "job_id": "...", "task": {...}, "session_id": "...", "api_key": "...", "sampling": {...}}
+    {"kind": "episode", "job_id": "...", "task": {...}, "session_id": "...", "api_key": "...", "harness_key": "...",
+     "sampling": {...}}
     {"kind": "cancel", "job_id": "..."}
 
 and reads from its stdout ``{"kind": "ready"}``, ``{"kind": "beat"}`` every ``BEAT_S`` seconds while its
@@ -50,7 +51,7 @@ async def _episode(job: dict[str, Any], ctx: dict[str, Any], out: _Out) -> None:
     from arborl.types import EpisodeStatus, Task
 
     client = HttpSessionClient(ctx["base_url"], job["session_id"], job["api_key"], ctx["model"], http=ctx["http"],
-                               unix_socket=ctx["unix_socket"])
+                               unix_socket=ctx["unix_socket"], harness_key=job.get("harness_key"))
     result: dict[str, Any] = {"job_id": job["job_id"]}
     try:
         agent = ctx["factory"](ctx["suite"], job["sampling"])

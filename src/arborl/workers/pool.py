@@ -97,6 +97,11 @@ class WorkerPool:
             self._kill(w)
             raise InfraError(f"rollout worker {index} did not start within {self.start_timeout_s} s"
                              + (f" (see {self.log_dir}/worker-{index}.log)" if self.log_dir else "")) from None
+        except BaseException:  # cancelled (the pool closing while it restarts one): the new worker goes too
+            self._kill(w)
+            await w.proc.wait()
+            await asyncio.gather(w.reader, return_exceptions=True)
+            raise
         return w
 
     async def close(self) -> None:
@@ -104,8 +109,10 @@ class WorkerPool:
         self._closing = True
         if self._watch is not None:
             self._watch.cancel()
-        for t in list(self._respawns):
+        respawns = list(self._respawns)
+        for t in respawns:
             t.cancel()
+        await asyncio.gather(*respawns, return_exceptions=True)  # a worker being started is stopped, not left
         for w in self.workers:
             if w.proc.stdin is not None and not w.proc.stdin.is_closing():
                 w.proc.stdin.close()
@@ -242,7 +249,7 @@ class RemoteAgent:
     async def __call__(self, task: Task, client: Any) -> AgentOutcome:
         task_json = {"task_id": task.task_id, "prompt": task.prompt, "metadata": task.metadata, "split": task.split}
         res = await self.pool.run({"task": task_json, "session_id": client.session_id, "api_key": client.api_key,
-                                   "sampling": self.sampling})
+                                   "harness_key": getattr(client, "harness_key", None), "sampling": self.sampling})
         if res.get("infra_error"):
             raise InfraError(res["infra_error"])
         info = dict(res.get("info") or {})
