@@ -139,3 +139,29 @@ def test_packed_forward_leaves_models_it_does_not_cover_to_the_shared_forward():
     assert eng.runner.linear is not None and eng.runner.packed_forward is None
     for r in _run(eng):
         assert torch.allclose(torch.tensor(r.logprobs), _reference(model, r.prompt_token_ids, r.token_ids), atol=1e-4)
+
+
+def test_the_roofline_counts_the_bytes_and_multiply_adds_a_decode_step_streams():
+    """``bench engine``'s roofline: the machine's measured limits, and per batch size the weight bytes
+    a step reads (float32 panels; half of them for the bf16 rollout) and its fraction of the limit."""
+    import copy
+
+    from arborl.bench.engine_bench import decode_roofline, machine_limits
+    from arborl.engine import cpu_kernels
+    from arborl.models.quantize import cpu_has_bf16, to_serving_dtype
+
+    limits = {"copy_gb_per_s": 10.0, "gemm_fp32_gflops": 100.0, "gemm_bf16_gflops": 200.0}
+    model = tiny_llama(layers=2, hidden=64, vocab=512, heads=4, kv_heads=2, seed=0)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    fp32 = decode_roofline(model, limits, (1, 4), bf16=False, context=8, steps=2)
+    for b, f in fp32.items():
+        assert 0 < f["fraction_of_limit"] and f["step_ms"] > 0 and f["regime"] in ("bandwidth", "compute")
+        assert f["weight_mb"] == round(4 * linear_params / 1e6, 1)  # 16-column panels: no padding at 64-wide
+        mem_ms, gemm_ms = 4 * linear_params / 10e9 * 1e3, 2 * b * linear_params / 100e9 * 1e3
+        assert f["limit_ms"] == round(max(mem_ms, gemm_ms), 2)
+    if cpu_has_bf16() and cpu_kernels.has_bf16():
+        bf16 = decode_roofline(to_serving_dtype(copy.deepcopy(model), "bfloat16"), limits, (4,), bf16=True, context=8, steps=2)
+        assert bf16[4]["weight_mb"] == round(2 * linear_params / 1e6, 1)
+    measured = machine_limits()
+    assert measured["copy_gb_per_s"] > 0 and measured["gemm_fp32_gflops"] > 0
+    assert ("gemm_bf16_gflops" in measured) == cpu_has_bf16()

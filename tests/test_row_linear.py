@@ -9,10 +9,12 @@ import torch
 
 from arborl.config import EngineConfig
 from arborl.engine import LLMEngine
+from arborl.engine import cpu_kernels
 from arborl.engine.cpu_kernels import available as row_kernel_available
 from arborl.engine.model_runner import ModelRunner
-from arborl.engine.row_linear import row_linear, to_panels
+from arborl.engine.row_linear import row_linear, to_bf16_panels, to_panels
 from arborl.models import tiny_llama
+from arborl.models.quantize import cpu_has_bf16
 from arborl.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not row_kernel_available(), reason="arborl's CPU kernels did not build")
@@ -43,6 +45,54 @@ def test_a_rows_result_is_bitwise_the_same_whatever_the_other_rows():
     for m in (2, 6, 7, 12, 24):
         assert torch.equal(row_linear(x[:m], panels, 300), alone[:m])
     assert torch.equal(row_linear(x.flip(0), panels, 300).flip(0), alone)
+
+
+def test_the_best_path_of_this_cpu_is_chosen_and_every_path_can_be_forced():
+    paths = cpu_kernels.isas()
+    assert paths[0] == "scalar" and cpu_kernels.isa() == paths[-1]  # the best this CPU reports
+    flags = open("/proc/cpuinfo").read()
+    assert ("avx512_bf16" in paths) == (" avx512_bf16" in flags) == cpu_kernels.has_bf16() == cpu_has_bf16()
+    assert ("avx512f" in paths) == (" avx512f" in flags)
+    for name in paths:
+        with cpu_kernels.forced_isa(name):
+            assert cpu_kernels.isa() == name
+        assert cpu_kernels.isa() == paths[-1]
+    with pytest.raises(RuntimeError, match="not one of its paths"):
+        with cpu_kernels.forced_isa("avx1024"):
+            pass
+
+
+@pytest.mark.parametrize("n_out,k", [(37, 61), (960, 576), (576, 1536)])
+def test_every_isa_path_computes_bitwise_what_the_scalar_reference_does(n_out, k):
+    """AVX2, AVX-512F (and for bf16 panels AVX512-BF16's vdpbf16ps) against the scalar path, for each
+    row count of a register block and beyond; the float32 paths are also the float64 projection."""
+    g = torch.Generator().manual_seed(k)
+    w, b = torch.randn(n_out, k, generator=g), torch.randn(n_out, generator=g)
+    f32, bf16 = to_panels(w), to_bf16_panels(w)
+    assert bf16.dtype == torch.bfloat16 and bf16.shape == (-(-n_out // 16), -(-k // 2), 32)
+    for m in (1, 6, 7, 16, 17, 32):
+        x, res = torch.randn(m, k, generator=g), torch.randn(m, n_out, generator=g)
+        with cpu_kernels.forced_isa("scalar"):
+            ref32, ref16 = row_linear(x, f32, n_out, b, res), row_linear(x, bf16, n_out, b, res)
+        for name in cpu_kernels.isas():
+            with cpu_kernels.forced_isa(name):
+                assert torch.equal(row_linear(x, f32, n_out, b, res), ref32), (name, m)
+                assert torch.equal(row_linear(x, bf16, n_out, b, res), ref16), (name, m)
+        # bf16 panels: the rows and the weight rounded to bf16 (nearest even), the sums in float32
+        want = res.double() + x.bfloat16().double() @ w.bfloat16().double().T + b.double()
+        scale = (x.abs().double() @ w.abs().double().T).max()
+        assert ((ref16.double() - want).abs().max() / scale) < 1e-6
+        assert ((ref32.double() - (res.double() + x.double() @ w.double().T + b.double())).abs().max() / scale) < 1e-6
+
+
+def test_bf16_panels_keep_a_rows_result_independent_of_the_other_rows():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 701, generator=g)  # odd K (a zero-padded pair), several 256-pair chunks
+    panels = to_bf16_panels(w)
+    x = torch.randn(40, 701, generator=g)
+    alone = torch.cat([row_linear(x[i : i + 1], panels, 300) for i in range(40)])
+    for m in (2, 16, 17, 33, 40):
+        assert torch.equal(row_linear(x[:m], panels, 300), alone[:m])
 
 
 def test_bad_shapes_are_refused_with_what_to_fix():

@@ -6,11 +6,20 @@
 3. multi-turn: 8 sessions x 4 turns sharing a ~300-token system prompt, each turn extending the
    previous prompt + completion token for token; prefix reuse on vs off;
 4. against vLLM's CPU build when ``.venv-vllm`` exists (``vs_vllm``): the same token ids for 1-3 on
-   both engines, same two cores, alternating rounds; a note instead when it does not.
+   both engines, same two cores, alternating rounds; a note instead when it does not;
+5. the roofline (``roofline``): this machine's copy bandwidth and GEMM peaks (float32, bf16) measured
+   here, and per batch size the decode step's time against its limit (the weight bytes a step
+   streams / bandwidth, or its multiply-adds / peak, whichever is longer), as a fraction of the limit;
+6. the bf16 rollout (``engine.weights_dtype=bfloat16``) against float32: tokens/s at fixed lengths,
+   alternating rounds, and the mismatch (k3 KL of sampled tokens) against the float32 trainer's forward.
+
+The kernels' instruction-set path (``engine.cpu_kernels.isa``) is in the JSON (``isa``).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import statistics
 import time
@@ -21,9 +30,11 @@ from rich.table import Table
 
 from arborl.bench.vllm_column import EngineWorker, WorkerError, bench_cores
 from arborl.config import EngineConfig, ModelConfig
-from arborl.engine import LLMEngine
+from arborl.engine import LLMEngine, cpu_kernels
 from arborl.engine.backends.base import BackendError
+from arborl.engine.model_runner import ModelRunner
 from arborl.models import LoadedModel, chat_token_ids, load_model
+from arborl.models.quantize import cpu_has_bf16, to_serving_dtype
 from arborl.types import GenerateRequest, SamplingParams
 
 SYSTEM_PROMPT = (
@@ -66,14 +77,15 @@ def _prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
     return out
 
 
-def _engine(loaded: LoadedModel, *, prefix_cache: bool = True, batch: int = 32) -> LLMEngine:
+def _engine(loaded: LoadedModel, *, prefix_cache: bool = True, batch: int = 32, model=None) -> LLMEngine:
     cfg = EngineConfig(max_batch_size=batch, max_seq_len=1024, prefix_cache=prefix_cache)
-    return LLMEngine(loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
+    return LLMEngine(model or loaded.model, cfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
 
 
-def _run_engine(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, fixed: bool):
-    eng = _engine(loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=fixed)
+def _run_engine(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, fixed: bool, *, model=None,
+                temperature: float = 0.0):
+    eng = _engine(loaded, model=model)
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=fixed, seed=0)
     t0 = time.perf_counter()
     results = eng.generate([GenerateRequest(p, params) for p in prompts])
     return time.perf_counter() - t0, [r.token_ids for r in results], results
@@ -204,6 +216,96 @@ def vs_vllm(loaded: LoadedModel, prompts: list[list[int]], *, rounds: int, caps:
     return out
 
 
+def _best_s(fn, reps: int) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine_limits() -> dict:
+    """This machine's STREAM-like copy bandwidth (bytes read + written / s, 256 MB arrays) and GEMM
+    peaks (2048^3 through oneDNN over a prepacked weight, as the engine runs; float32, and bf16 where
+    the CPU has bf16 dot products), best of a few runs on the threads the engine uses."""
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    out = {"copy_gb_per_s": 2 * src.nbytes / _best_s(lambda: dst.copy_(src), 5) / 1e9}
+    src = dst = None
+    n = 2048
+    for dtype, key in ((torch.float32, "gemm_fp32_gflops"), (torch.bfloat16, "gemm_bf16_gflops")):
+        if dtype == torch.bfloat16 and not cpu_has_bf16():
+            continue
+        x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
+        s = _best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 3)
+        out[key] = 2 * n**3 / s / 1e9
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+@torch.inference_mode()
+def decode_roofline(model, limits: dict, batches: tuple[int, ...], *, bf16: bool, context: int = 96, steps: int = 6) -> dict:
+    """Per batch size: the best decode step (the engine's forward, ``context`` tokens of KV per
+    sequence) against its limit = max(weight bytes streamed / copy bandwidth, multiply-adds / GEMM peak)."""
+    cfg = EngineConfig()
+    peak = limits["gemm_bf16_gflops" if bf16 else "gemm_fp32_gflops"] * 1e9
+    out = {}
+    for b in batches:
+        runner = ModelRunner(model, slots=b, max_len=context + steps + 2, packed=cfg.cpu_packed_weights,
+                             attention=cfg.attention, row_kernel_max_rows=cfg.cpu_row_kernel_max_rows)
+        runner.prefill([(s, [(7 * s + i) % 1000 + 10 for i in range(context)], 0) for s in range(b)])
+        step = iter(range(steps + 1))
+        t = _best_s(lambda: runner.decode([11] * b, [context + next(step)] * b), steps)
+        groups = runner.linear.packed_groups().values() if runner.linear is not None else []
+        weight_bytes = sum(p.panels.nbytes if p.panels is not None and b <= runner.linear.row_kernel_max_rows
+                           else p.onednn.nbytes for p in groups)
+        flops = 2 * b * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+        mem_s, gemm_s = weight_bytes / (limits["copy_gb_per_s"] * 1e9), flops / peak
+        out[b] = {"step_ms": round(t * 1e3, 2), "limit_ms": round(max(mem_s, gemm_s) * 1e3, 2),
+                  "regime": "bandwidth" if mem_s >= gemm_s else "compute",
+                  "fraction_of_limit": round(max(mem_s, gemm_s) / t, 3), "weight_mb": round(weight_bytes / 1e6, 1)}
+    return out
+
+
+@torch.inference_mode()
+def _mismatch_k3(loaded: LoadedModel, results) -> float:
+    """k3 KL estimate of the rollout policy against the float32 trainer's forward on sampled tokens:
+    mean of exp(d) - 1 - d, d = trainer log-prob - rollout log-prob (``mismatch/k3_kl`` of training)."""
+    d = []
+    for r in results:
+        ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+        logp = torch.log_softmax(loaded.model(ids).logits[0].float(), -1)
+        n = len(r.prompt_token_ids)
+        ref = logp[torch.arange(n - 1, n - 1 + len(r.token_ids)), torch.tensor(r.token_ids)]
+        d.append(ref.double() - torch.tensor(r.logprobs, dtype=torch.float64))
+    lr = torch.cat(d)
+    return float((lr.exp() - 1 - lr).mean())
+
+
+def bf16_rollout(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, *, rounds: int, console: Console) -> dict:
+    """``engine.weights_dtype=bfloat16`` against float32: fixed-length tokens/s, alternating rounds
+    (medians), and the mismatch of temperature-1 samples against the float32 forward."""
+    if not cpu_has_bf16():
+        return {"bf16": "skipped: this CPU has no bfloat16 dot products (AVX512-BF16 / AMX-BF16)"}
+    bf16_model = to_serving_dtype(copy.deepcopy(loaded.model), "bfloat16")
+    fp32, bf16 = [], []
+    for r in range(rounds):
+        s, toks, _ = _run_engine(loaded, prompts, new_tokens, True)
+        fp32.append(sum(map(len, toks)) / s)
+        s, toks, _ = _run_engine(loaded, prompts, new_tokens, True, model=bf16_model)
+        bf16.append(sum(map(len, toks)) / s)
+        console.print(f"  bf16 rollout, round {r}: float32 {fp32[-1]:.1f} tok/s, bf16 {bf16[-1]:.1f} tok/s")
+    _, _, sampled = _run_engine(loaded, prompts[:8], new_tokens, True, model=bf16_model, temperature=1.0)
+    _, _, sampled32 = _run_engine(loaded, prompts[:8], new_tokens, True, temperature=1.0)
+    return {"bf16_tokens_per_s_fixed": round(statistics.median(bf16), 2),
+            "fp32_tokens_per_s_fixed": round(statistics.median(fp32), 2),
+            "bf16_vs_fp32_tokens_per_s": round(statistics.median(bf16) / statistics.median(fp32), 3),
+            "bf16_mismatch_k3_kl": _mismatch_k3(loaded, sampled),
+            "fp32_mismatch_k3_kl": _mismatch_k3(loaded, sampled32)}
+
+
 def run(quick: bool, console: Console) -> dict:
     torch.manual_seed(0)
     console.print("loading SmolLM2-135M-Instruct ...")
@@ -241,6 +343,12 @@ def run(quick: bool, console: Console) -> dict:
     off_s, _, _ = _multiturn(loaded, prefix_cache=False, **mt)
     caps = {"fixed": new_tokens, "natural": 96 if quick else 128}
     vllm = vs_vllm(loaded, prompts, rounds=2 if quick else 3, caps=caps, multiturn=mt, console=console)
+    bf16 = bf16_rollout(loaded, prompts, new_tokens, rounds=2 if quick else 3, console=console)
+    limits = machine_limits()
+    batches = (1, 8, 32)
+    roof = {"fp32": decode_roofline(loaded.model, limits, batches, bf16=False)}
+    if cpu_has_bf16():
+        roof["bf16"] = decode_roofline(to_serving_dtype(copy.deepcopy(loaded.model), "bfloat16"), limits, batches, bf16=True)
 
     table = Table(title="arborl bench engine (SmolLM2-135M-Instruct, CPU)")
     for col in ("figure", "value"):
@@ -266,6 +374,17 @@ def run(quick: bool, console: Console) -> dict:
                  ("greedy sequences identical to vLLM", f"{vllm['greedy_agreement_with_vllm']:.2f}")]
     else:
         rows.append(("vLLM column", vllm["vllm"]))
+    if "bf16_vs_fp32_tokens_per_s" in bf16:
+        rows += [("bf16 rollout / float32 tokens/s (fixed lengths)", f"{bf16['bf16_vs_fp32_tokens_per_s']:.2f}x"),
+                 ("bf16 rollout mismatch k3 KL (fp32: same engine)",
+                  f"{bf16['bf16_mismatch_k3_kl']:.2e} (fp32 {bf16['fp32_mismatch_k3_kl']:.1e})")]
+    rows.append(("kernels' ISA path", str(cpu_kernels.isa())))
+    rows.append(("copy GB/s; GEMM peak GFLOP/s fp32 / bf16",
+                 f"{limits['copy_gb_per_s']}; {limits['gemm_fp32_gflops']} / {limits.get('gemm_bf16_gflops', '-')}"))
+    for dtype, per in roof.items():
+        for b, f in per.items():
+            rows.append((f"{dtype} decode step, batch {b}: ms / limit ms ({f['regime']})",
+                         f"{f['step_ms']} / {f['limit_ms']} = {f['fraction_of_limit']:.2f} of limit"))
     for r in rows:
         table.add_row(*r)
     console.print(table)
@@ -288,4 +407,9 @@ def run(quick: bool, console: Console) -> dict:
         "multiturn_reuse_on_s": round(on_s, 3),
         "multiturn_reuse_off_s": round(off_s, 3),
         **vllm,
+        **bf16,
+        "isa": cpu_kernels.isa(),
+        "kernel_paths": cpu_kernels.isas(),
+        "roofline": {"machine": limits, **{d: {str(b): f for b, f in per.items()} for d, per in roof.items()}},
+        "decode_b32_fraction_of_limit": roof["fp32"][32]["fraction_of_limit"],
     }

@@ -5,6 +5,10 @@
 C++ compiler through torch's extension loader, cached on disk per CPU feature set (``-march=native``);
 where it cannot be built, ``available()`` is False with the reason in ``build_error()`` and the engine
 runs torch's own kernels.
+
+Each kernel has a path per instruction set (``csrc/isa.h``: scalar, avx2, avx512f, avx512_bf16); the
+library takes the best one the CPU reports (cpuid) when it loads, logs it, and ``isa()`` names it (the
+engine bench records it). ``forced_isa(name)`` runs a lower path, which the tests compare with the best.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import hashlib
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "isa.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -27,7 +34,9 @@ def _cpu_tag() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = os.uname().machine
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    # the sources' hash too: a changed kernel is a new library, never a stale cached one
+    text = flags + "".join(p.read_text() for p in _SOURCES + _HEADERS)
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def available() -> bool:
@@ -36,6 +45,7 @@ def available() -> bool:
     with _lock:
         if "ok" not in _state:
             try:
+                import torch
                 from torch.utils import cpp_extension
 
                 cpp_extension.load(
@@ -47,6 +57,8 @@ def available() -> bool:
                     verbose=False,
                 )
                 _state["ok"] = True
+                now, *has = torch.ops.arborl.kernel_isa("")
+                log.info("arborl's CPU kernels: the %s path (this CPU has: %s)", now, ", ".join(has))
             except Exception as exc:  # no compiler / ninja / headers: the engine keeps torch's kernels
                 _state["ok"] = False
                 _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -56,3 +68,42 @@ def available() -> bool:
 
 def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
+
+
+def isa() -> str | None:
+    """The instruction-set path the kernels run (``scalar``, ``avx2``, ``avx512f``, ``avx512_bf16``);
+    None where they did not build."""
+    if not available():
+        return None
+    import torch
+
+    return torch.ops.arborl.kernel_isa("")[0]
+
+
+def isas() -> list[str]:
+    """Every path this CPU can run, lowest first (empty where the kernels did not build)."""
+    if not available():
+        return []
+    import torch
+
+    return list(torch.ops.arborl.kernel_isa("")[1:])
+
+
+def has_bf16() -> bool:
+    """Whether the kernels have this CPU's bfloat16 dot products (AVX512-BF16) to run bf16 weights on."""
+    return "avx512_bf16" in isas()
+
+
+@contextmanager
+def forced_isa(name: str) -> Iterator[None]:
+    """Run the kernels' ``name`` path inside the block (a path this CPU has), then the one before."""
+    import torch
+
+    if not available():
+        raise RuntimeError(f"arborl's CPU kernels did not build: {build_error()}")
+    before = isa()
+    torch.ops.arborl.kernel_isa(name)
+    try:
+        yield
+    finally:
+        torch.ops.arborl.kernel_isa(before)

@@ -270,8 +270,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        if is_low_precision(self.model):  # int8 / FP8 serving copy: re-quantise what arrives (I5)
-            return load_serving_weights(self.model, state)
+        if is_low_precision(self.model):  # int8 / FP8 / bf16 serving copy: re-quantise what arrives (I5)
+            load_serving_weights(self.model, state)
+            if self.linear is not None:
+                self.linear.refresh()
+            return
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         unknown = sorted(set(state) - set(params))

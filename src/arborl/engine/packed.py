@@ -16,8 +16,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from arborl.engine.cpu_kernels import available as row_kernel_available
-from arborl.engine.row_linear import row_linear, to_panels
+from arborl.engine.cpu_kernels import available as row_kernel_available, has_bf16
+from arborl.engine.row_linear import row_linear, to_bf16_panels, to_panels
+from arborl.models.quantize import Bf16Linear
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32
@@ -29,12 +30,13 @@ def packing_available(model: nn.Module) -> bool:
 
 
 def _plain(m: nn.Module) -> bool:
-    return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    return type(m) in (nn.Linear, Bf16Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
 class PackedWeight(NamedTuple):
     """One packed projection (or side-by-side group): oneDNN's reordered weight, the bias, each member's
-    out_features, and the row kernel's panels (None where it is off)."""
+    out_features, and the row kernel's panels (None where it is off; bfloat16 pairs for ``Bf16Linear``
+    weights where the CPU has bf16 dot products, else float32)."""
 
     onednn: torch.Tensor
     bias: torch.Tensor | None
@@ -50,7 +52,9 @@ class PackedLinears:
     """``(modules, x) -> each module(x)`` from oneDNN-reordered copies of the plain float32 ``nn.Linear``
     weights of ``model``; a decoder layer's q/k/v and gate/up are packed side by side and run as one
     GEMM each. Other modules (quantised, adapters) run as they are. Up to ``row_kernel_max_rows`` rows
-    run arborl's row kernel (``engine.row_linear``) instead of oneDNN (0: never)."""
+    run arborl's row kernel (``engine.row_linear``) instead of oneDNN (0: never). ``Bf16Linear``
+    weights (the CPU bf16 rollout) run there on bf16 dot products; above those rows oneDNN multiplies
+    their bf16 values in float32."""
 
     def __init__(self, model: nn.Module, row_kernel_max_rows: int = 0) -> None:
         self.model = model
@@ -86,7 +90,8 @@ class PackedLinears:
         if any(m.bias is not None for m in mods):
             bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                               for m in mods])
-        panels = to_panels(weight) if self.row_kernel_max_rows else None
+        bf16 = all(isinstance(m, Bf16Linear) for m in mods) and has_bf16()
+        panels = (to_bf16_panels(weight) if bf16 else to_panels(weight)) if self.row_kernel_max_rows else None
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT), bias,
                             [m.out_features for m in mods], panels)
 

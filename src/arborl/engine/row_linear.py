@@ -6,6 +6,10 @@ its cost steps up with the rows (on this project's 2-core reference machine a ve
 1.5x a decode of one). The kernel streams each weight once for all rows from a panel layout built at
 weight-load time, and computes each output as one chain over the input features, so a token's
 logits are bitwise the same decoded alone, in a batch, or as a node of a draft tree.
+
+``to_bf16_panels`` stores a weight in bfloat16 pairs for AVX512-BF16's dot product (the bf16 rollout,
+``engine.weights_dtype=bfloat16`` on CPU): half the bytes per step and twice the multiply-adds per
+instruction; the rows are rounded to bfloat16 on the way in and every sum is float32.
 """
 
 from __future__ import annotations
@@ -24,7 +28,17 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return w.view(-1, PANEL, inp).transpose(1, 2).contiguous()
 
 
+def to_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> bfloat16 [ceil(out / 16), ceil(in / 2), 32]: panel p, pair row k holds
+    W[16p + j, 2k + t] at 2j + t (an odd ``in`` padded with a zero column); rounded to nearest even."""
+    out, inp = weight.shape
+    w = F.pad(weight.detach().float(), (0, inp % 2, 0, -out % PANEL))
+    p, k2 = w.shape[0] // PANEL, w.shape[1] // 2
+    return w.view(p, PANEL, k2, 2).permute(0, 2, 1, 3).reshape(p, k2, 2 * PANEL).to(torch.bfloat16).contiguous()
+
+
 def row_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``residual + x @ W.T + bias`` for x [rows, in] with W given as ``to_panels(W)``; [rows, n_out]."""
+    """``residual + x @ W.T + bias`` for x [rows, in] with W given as ``to_panels(W)`` (float32) or
+    ``to_bf16_panels(W)`` (x rounded to bfloat16, float32 sums); [rows, n_out]."""
     return torch.ops.arborl.row_linear(x, panels, n_out, bias, residual)

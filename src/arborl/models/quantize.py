@@ -4,7 +4,12 @@ weights. ``engine.weights_dtype`` picks one; every weight update the trainer pub
 arrival (:func:`load_serving_weights`). The gap between the two policies is what the rollout-mismatch
 metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IcePop) corrects.
 
-* ``bfloat16``: the whole model (and so the KV cache) in bf16.
+* ``bfloat16``: on a CPU with bfloat16 dot products (AVX512-BF16 / AMX-BF16), every ``nn.Linear``
+  becomes a :class:`Bf16Linear` (its weight rounded to bf16, kept in float32 storage) and the engine
+  runs those GEMMs on the CPU's bf16 dot products (``engine.row_linear``: bf16 weights and rows,
+  float32 sums); the rest (embeddings, norms, attention, KV cache, log-probs) stays float32. On a CPU
+  without them bf16 GEMMs are no faster, so the serving copy stays float32 and a warning says so. On
+  a GPU the whole model (and so the KV cache) is bf16.
 * ``int8``: every ``nn.Linear`` (projections, MLPs, LM head) becomes torch's dynamic-quantised int8
   Linear (``torch.ao.nn.quantized.dynamic.Linear``: int8 weights, activations quantised per batch,
   int8 GEMM on CPU through fbgemm / oneDNN). Weights are quantised per output channel, symmetric:
@@ -17,8 +22,10 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
 
 from __future__ import annotations
 
+import logging
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,8 @@ from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from arborl.types import ArborlError
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -61,6 +70,37 @@ def to_int8_linear(linear: nn.Linear) -> DynamicInt8Linear:
         q = DynamicInt8Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None, dtype=torch.qint8)
     q.set_weight_bias(int8_weight(linear.weight), None if linear.bias is None else linear.bias.detach().float())
     return q
+
+
+# ----------------------------------------------------------------------------- bf16 weights on CPU
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU reports bfloat16 dot products (x86 AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+class Bf16Linear(nn.Linear):
+    """An ``nn.Linear`` whose weight holds bfloat16 values in float32 storage (the CPU bf16 rollout):
+    the engine's packed path runs it on bf16 dot products; anywhere else it is ``F.linear`` on those
+    values. Weight updates are rounded on arrival (``set_weight``)."""
+
+    @classmethod
+    def convert(cls, linear: nn.Linear) -> "Bf16Linear":
+        linear.__class__ = cls  # same parameters, no copy
+        with torch.no_grad():
+            linear.weight.copy_(linear.weight.to(torch.bfloat16))
+        return linear  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight.copy_(w.to(torch.bfloat16))
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
 
 
 # ----------------------------------------------------------------------------- FP8 e4m3 weight-only
@@ -145,9 +185,17 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
         raise LowPrecisionError(f"engine.weights_dtype={weights_dtype!r}: use one of {', '.join(WEIGHTS_DTYPES)}")
     if weights_dtype == "float32":
         return model
-    if weights_dtype == "bfloat16":
-        return model.to(torch.bfloat16)
     device = next(model.parameters()).device
+    if weights_dtype == "bfloat16":
+        if device.type != "cpu":
+            return model.to(torch.bfloat16)
+        if not cpu_has_bf16():
+            log.warning("engine.weights_dtype=bfloat16: this CPU has no bfloat16 dot products (AVX512-BF16 or "
+                        "AMX-BF16), where bf16 GEMMs are slower than float32; the engines serve float32")
+            return model
+        model.float()
+        _replace_linears(model, lambda m: m if isinstance(m, Bf16Linear) else Bf16Linear.convert(m))
+        return model
     if weights_dtype == "int8":
         if device.type != "cpu":
             raise LowPrecisionError("engine.weights_dtype=int8 is torch's CPU int8 GEMM: serve on the CPU "
@@ -164,21 +212,21 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
 
 
 def is_low_precision(model: nn.Module) -> bool:
-    """Whether the model holds converted (int8 / FP8) Linear modules."""
-    return any(isinstance(m, (DynamicInt8Linear, Fp8Linear)) for m in model.modules())
+    """Whether the model holds converted (int8 / FP8 / CPU bf16) Linear modules."""
+    return any(isinstance(m, (DynamicInt8Linear, Fp8Linear, Bf16Linear)) for m in model.modules())
 
 
 @torch.no_grad()
 def load_serving_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Publish trainer weights (float, plain names ``...q_proj.weight``) into a converted model: an int8
-    / FP8 Linear's weight is re-quantised, every other tensor copied (and cast) as it is."""
+    / FP8 / bf16 Linear's weight is re-quantised (rounded), every other tensor copied (and cast) as it is."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     quantised: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if isinstance(modules.get(prefix), (DynamicInt8Linear, Fp8Linear)) and leaf in ("weight", "bias"):
+        if isinstance(modules.get(prefix), (DynamicInt8Linear, Fp8Linear, Bf16Linear)) and leaf in ("weight", "bias"):
             quantised.setdefault(prefix, {})[leaf] = tensor
         elif name in params:
             if params[name].shape != tensor.shape:

@@ -1,13 +1,20 @@
 // y = x @ W.T (+ bias) (+ residual) for the few rows of a decode or draft-verify step
 // (arborl.engine.row_linear).
 //
-// At 1-24 rows a projection is bound by reading its weight, which oneDNN's blocked GEMM re-reads per
+// At 1-32 rows a projection is bound by reading its weight, which oneDNN's blocked GEMM re-reads per
 // block of 3-4 rows: its cost steps up with the row count, so a verify step of 4-8 draft rows cost
-// up to 1.5x a decode step. Here the weight is stored once in panels of 16 output columns
-// ([panels, K, 16], contiguous) and every panel is streamed once for all rows, in register blocks of
-// at most 6 rows (12 accumulators + 2 weight registers + 1 broadcast: AVX2's 16). Each output is one
-// fused multiply-add chain over k = 0..K-1 in order, whatever the row count or the row's block, so a
-// row's result is bitwise the same alone or beside others.
+// up to 1.5x a decode step. Here the weight is stored once in panels of 16 output columns and every
+// panel is streamed once for all rows, in register blocks of rows (AVX2: 6 rows, 12 accumulators;
+// AVX-512: 16 rows, one zmm accumulator each). Each output is one multiply-add chain over k in order,
+// whatever the row count, the row's block or the instruction set, so a row's result is bitwise the
+// same alone or beside others, and the same on the scalar, AVX2 and AVX-512F paths (isa.h).
+//
+// Two panel formats:
+// * float32 [panels, K, 16]: fused multiply-adds in float32;
+// * bfloat16 [panels, ceil(K/2), 32] (pairs of k per output, the layout of AVX512-BF16's vdpbf16ps):
+//   x is rounded to bfloat16 (nearest even) and each output accumulates in float32 one pair of k at a
+//   time (the products of two bf16 are exact in float32). Half the bytes of weight per step and twice
+//   the multiply-adds per instruction of float32 FMA; the scalar path is the reference.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,27 +22,81 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define ARBORL_ROW_AVX2 1
-#endif
+#include "isa.h"
 
 namespace {
 
+using arborl::isa;
+
 constexpr int64_t kPanel = 16;
-constexpr int kRowBlock = 6;
+constexpr int64_t kChunk = 256;     // k (or k pairs) per pass when rows take several blocks: 16 KB of panel, in L1
+constexpr int64_t kPrefetch = 128;  // panel rows (64 B each) fetched ahead of the multiply-adds
 
-constexpr int64_t kChunk = 256;     // k per pass when rows take several blocks: 16 KB of panel, held in L1
-constexpr int64_t kPrefetch = 128;  // panel rows (64 B each) fetched ahead of the FMAs: memory and compute overlap
+// One register block of MB rows over one chunk of k: acc[r][0:16] += x[r, 0:kc] @ panel[0:kc] (acc
+// zeroed first when ``first``). A chunk resumes exactly where the last stopped: one chain per output.
+// float32 panels: x float [rows, ldx]; bf16 panels: x = bf16 pairs as uint32 [rows, ldx], kc pairs.
+using BlockFn = void (*)(const void* x, int64_t ldx, const void* panel, int64_t kc, float* acc, bool first);
 
-// acc[r][0:16] += x[r, 0:kc] @ panel[0:kc] for the rows r < MB of one register block (acc zeroed first
-// when ``first``). A chunk resumes exactly where the last stopped: one chain per output over all k.
 template <int MB>
-void block_chunk(const float* x, int64_t ldx, const float* panel, int64_t kc, float* acc, bool first) {
-#ifdef ARBORL_ROW_AVX2
-  // named accumulators, not an array: GCC kept an array's 12 registers in memory, storing each on every k
+void block_scalar(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+  const float* x = static_cast<const float*>(xv);
+  const float* panel = static_cast<const float*>(pv);
+  if (first) std::fill(acc, acc + MB * kPanel, 0.0f);
+  for (int64_t k = 0; k < kc; ++k)
+    for (int r = 0; r < MB; ++r) {
+      const float xk = x[r * ldx + k];
+      for (int j = 0; j < kPanel; ++j) acc[r * kPanel + j] = std::fma(xk, panel[k * kPanel + j], acc[r * kPanel + j]);
+    }
+}
+
+// bf16 -> float as vdpbf16ps reads it: subnormals are zero (DAZ)
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = (b & 0x7f80u) ? static_cast<uint32_t>(b) << 16 : static_cast<uint32_t>(b & 0x8000u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// round to nearest even, as torch's float -> bfloat16 (NaN stays NaN)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// the reference of vdpbf16ps (Intel's definition, which this AMD CPU matches bitwise): per output,
+// acc += x[2k+1] * w[2k+1], then acc += x[2k] * w[2k], each sum rounded to nearest even (the products
+// of two bf16 are exact), subnormal inputs and results zero
+inline float ftz(float a) { return std::fabs(a) < 1.17549435e-38f ? 0.0f * a : a; }
+
+template <int MB>
+void block_bf16_scalar(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+  const uint32_t* x = static_cast<const uint32_t*>(xv);
+  const uint16_t* panel = static_cast<const uint16_t*>(pv);
+  if (first) std::fill(acc, acc + MB * kPanel, 0.0f);
+  for (int64_t k = 0; k < kc; ++k)
+    for (int r = 0; r < MB; ++r) {
+      const uint32_t pair = x[r * ldx + k];
+      const float x0 = bf16_to_float(pair & 0xffff), x1 = bf16_to_float(pair >> 16);
+      for (int j = 0; j < kPanel; ++j) {
+        float a = acc[r * kPanel + j];
+        a = ftz(a + x1 * bf16_to_float(panel[(k * kPanel + j) * 2 + 1]));
+        a = ftz(a + x0 * bf16_to_float(panel[(k * kPanel + j) * 2]));
+        acc[r * kPanel + j] = a;
+      }
+    }
+}
+
+#ifdef ARBORL_X86
+// named accumulators, not an array: GCC kept an array's registers in memory, storing each on every k
+template <int MB>
+ARBORL_TARGET_AVX2 void block_avx2(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+  const float* x = static_cast<const float*>(xv);
+  const float* panel = static_cast<const float*>(pv);
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #define ARBORL_ROW_LOAD(r)                                        \
@@ -59,41 +120,106 @@ void block_chunk(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
   }
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);  // never faults
-    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     ARBORL_ROW_FMA(0) ARBORL_ROW_FMA(1) ARBORL_ROW_FMA(2) ARBORL_ROW_FMA(3) ARBORL_ROW_FMA(4) ARBORL_ROW_FMA(5)
   }
   ARBORL_ROW_STORE(0) ARBORL_ROW_STORE(1) ARBORL_ROW_STORE(2) ARBORL_ROW_STORE(3) ARBORL_ROW_STORE(4) ARBORL_ROW_STORE(5)
 #undef ARBORL_ROW_LOAD
 #undef ARBORL_ROW_FMA
 #undef ARBORL_ROW_STORE
-#else
-  if (first)
-    for (int r = 0; r < MB; ++r)
-      for (int j = 0; j < kPanel; ++j) acc[r * kPanel + j] = 0.0f;
-  for (int64_t k = 0; k < kc; ++k)
-    for (int r = 0; r < MB; ++r) {
-      const float xv = x[r * ldx + k];
-      for (int j = 0; j < kPanel; ++j) acc[r * kPanel + j] = std::fma(xv, panel[k * kPanel + j], acc[r * kPanel + j]);
-    }
-#endif
 }
 
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
-constexpr BlockFn kBlockFns[kRowBlock + 1] = {nullptr,          block_chunk<1>, block_chunk<2>, block_chunk<3>,
-                                              block_chunk<4>, block_chunk<5>, block_chunk<6>};
+// AVX-512: a panel's 16 columns are one zmm register, so a block holds 16 rows (16 accumulators)
+#define ARBORL_ROWS16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define ARBORL_ZDECL(r) __m512 c##r = _mm512_setzero_ps();
+#define ARBORL_ZLOAD(r) \
+  if constexpr (MB > r) c##r = _mm512_loadu_ps(acc + r * kPanel);
+#define ARBORL_ZSTORE(r) \
+  if constexpr (MB > r) _mm512_storeu_ps(acc + r * kPanel, c##r);
+
+template <int MB>
+ARBORL_TARGET_AVX512 void block_avx512(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+  const float* x = static_cast<const float*>(xv);
+  const float* panel = static_cast<const float*>(pv);
+  ARBORL_ROWS16(ARBORL_ZDECL)
+  if (!first) {
+    ARBORL_ROWS16(ARBORL_ZLOAD)
+  }
+#define ARBORL_ZFMA(r) \
+  if constexpr (MB > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, c##r);
+  for (int64_t k = 0; k < kc; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+    ARBORL_ROWS16(ARBORL_ZFMA)
+  }
+#undef ARBORL_ZFMA
+  ARBORL_ROWS16(ARBORL_ZSTORE)
+}
+
+template <int MB>
+ARBORL_TARGET_AVX512BF16 void block_bf16_avx512(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc,
+                                                bool first) {
+  const int32_t* x = static_cast<const int32_t*>(xv);
+  const uint16_t* panel = static_cast<const uint16_t*>(pv);
+  ARBORL_ROWS16(ARBORL_ZDECL)
+  if (!first) {
+    ARBORL_ROWS16(ARBORL_ZLOAD)
+  }
+#define ARBORL_ZDOT(r) \
+  if constexpr (MB > r) c##r = _mm512_dpbf16_ps(c##r, (__m512bh)_mm512_set1_epi32(x[r * ldx + k]), w);
+  for (int64_t k = 0; k < kc; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kPanel);
+    ARBORL_ROWS16(ARBORL_ZDOT)
+  }
+#undef ARBORL_ZDOT
+  ARBORL_ROWS16(ARBORL_ZSTORE)
+}
+#undef ARBORL_ZDECL
+#undef ARBORL_ZLOAD
+#undef ARBORL_ZSTORE
+#undef ARBORL_ROWS16
+#endif
+
+#define ARBORL_TABLE6(fn) {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>}
+#define ARBORL_TABLE16(fn) \
+  {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>, fn<9>, fn<10>, fn<11>, fn<12>, fn<13>, fn<14>, fn<15>, fn<16>}
+
+const BlockFn kFnScalar[] = ARBORL_TABLE6(block_scalar);
+const BlockFn kFnBf16Scalar[] = ARBORL_TABLE6(block_bf16_scalar);
+#ifdef ARBORL_X86
+const BlockFn kFnAvx2[] = ARBORL_TABLE6(block_avx2);
+const BlockFn kFnAvx512[] = ARBORL_TABLE16(block_avx512);
+const BlockFn kFnBf16Avx512[] = ARBORL_TABLE16(block_bf16_avx512);
+#endif
+
+// the block functions (indexed by rows, 1..max) of the current path for float32 or bf16 panels
+std::pair<const BlockFn*, int> path(bool bf16) {
+  const int level = isa();
+#ifdef ARBORL_X86
+  if (bf16) return level >= arborl::kAvx512Bf16 ? std::make_pair(kFnBf16Avx512, 16) : std::make_pair(kFnBf16Scalar, 6);
+  if (level >= arborl::kAvx512) return {kFnAvx512, 16};
+  if (level >= arborl::kAvx2) return {kFnAvx2, 6};
+#else
+  if (bf16) return {kFnBf16Scalar, 6};
+#endif
+  return {kFnScalar, 6};
+}
 
 at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n_out, const c10::optional<at::Tensor>& bias_in,
                       const c10::optional<at::Tensor>& residual_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "row_linear: x must be a 2-d float32 CPU tensor");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat && panels.is_contiguous(),
-              "row_linear: panels must be a contiguous float32 [panels, K, 16] tensor");
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  const int64_t width = bf16 ? 2 * kPanel : kPanel;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == width && (bf16 || panels.scalar_type() == at::kFloat) && panels.is_contiguous(),
+              "row_linear: panels must be a contiguous float32 [panels, K, 16] or bfloat16 [panels, ceil(K/2), 32] tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K, "row_linear: x has ", K, " features, the weight ", panels.size(1));
+  const int64_t Kp = bf16 ? (K + 1) / 2 : K;  // panel rows: k, or pairs of k
+  TORCH_CHECK(panels.size(1) == Kp, "row_linear: x has ", K, " features, the weight ", bf16 ? 2 * panels.size(1) : panels.size(1));
   TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel, "row_linear: ", P, " panels cannot hold ", n_out, " outputs");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr<float>()) % 32 == 0, "row_linear: panels must be 32-byte aligned");
   at::Tensor bias, residual;
   if (bias_in.has_value()) {
     bias = bias_in->contiguous();
@@ -108,30 +234,42 @@ at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t 
   if (M == 0) return y;
   const float* bd = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const float* rd = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const float* xd = x.data_ptr<float>();
-  const float* wd = panels.data_ptr<float>();
+  // bf16 panels: x rounded to bf16 once, as pairs of k (an odd K padded with a zero)
+  std::vector<uint32_t> pairs;
+  if (bf16) {
+    pairs.assign(M * Kp, 0u);
+    const float* xf = x.data_ptr<float>();
+    uint16_t* pb = reinterpret_cast<uint16_t*>(pairs.data());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t k = 0; k < K; ++k) pb[r * 2 * Kp + k] = float_to_bf16(xf[r * K + k]);
+  }
+  const char* xd = bf16 ? reinterpret_cast<const char*>(pairs.data()) : reinterpret_cast<const char*>(x.data_ptr<float>());
+  const int64_t xstride = 4 * Kp;  // bytes per row of x: floats or pairs, 4 bytes each
+  const char* wd = static_cast<const char*>(panels.data_ptr());
+  const int64_t wstride = 64;  // bytes per panel row: 16 floats or 16 pairs of bf16
   float* yd = y.data_ptr<float>();
-  // rows split into ceil(M / 6) blocks of near-equal size (8 rows: 4 + 4, not 6 + 2: no short chains);
-  // with several blocks, k runs in L1-sized chunks so every block reuses the chunk just fetched. Neither
-  // split changes a result: each output is one chain over k = 0..K-1 in order.
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t chunk = blocks == 1 ? K : kChunk;
+  const auto [fns, max_rows] = path(bf16);
+  // rows split into ceil(M / max_rows) blocks of near-equal size (8 rows at 6: 4 + 4, not 6 + 2); with
+  // several blocks, k runs in L1-sized chunks so every block reuses the chunk just fetched. Neither
+  // split changes a result: each output is one chain over k in order.
+  const int64_t blocks = (M + max_rows - 1) / max_rows;
+  const int64_t chunk = blocks == 1 ? Kp : kChunk;
   at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
     for (int64_t p = begin; p < end; ++p) {
-      const float* panel = wd + p * K * kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-        const int64_t kc = std::min(chunk, K - k0);
+      const char* panel = wd + p * Kp * wstride;
+      for (int64_t k0 = 0; k0 < Kp; k0 += chunk) {
+        const int64_t kc = std::min(chunk, Kp - k0);
         int64_t row = 0;
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t rows = (M - row) / (blocks - b);
-          kBlockFns[rows](xd + row * K + k0, K, panel + k0 * kPanel, kc, acc.data() + row * kPanel, k0 == 0);
+          fns[rows](xd + row * xstride + k0 * 4, Kp, panel + k0 * wstride, kc, acc.data() + row * kPanel, k0 == 0);
           row += rows;
         }
       }
-      const int64_t col = p * kPanel, width = std::min(kPanel, n_out - col);
+      const int64_t col = p * kPanel, cols = std::min(kPanel, n_out - col);
       for (int64_t r = 0; r < M; ++r)
-        for (int64_t j = 0; j < width; ++j) {
+        for (int64_t j = 0; j < cols; ++j) {
           float v = acc[r * kPanel + j];
           if (bd) v += bd[col + j];
           if (rd) v += rd[r * n_out + col + j];
@@ -142,11 +280,29 @@ at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t 
   return y;
 }
 
+// the kernels' path: "" = leave it; "auto" = the best this CPU has; or a path name it has.
+// Returns [the path now, every path this CPU has, lowest first].
+std::vector<std::string> kernel_isa(const std::string& want) {
+  const int best = arborl::cpu_isa();
+  if (!want.empty()) {
+    int level = -1;
+    if (want == "auto") level = best;
+    for (int i = 0; i <= best; ++i)
+      if (want == arborl::kIsaNames[i]) level = i;
+    TORCH_CHECK(level >= 0, "kernel_isa: this CPU runs ", arborl::kIsaNames[best], " at most; ", want, " is not one of its paths");
+    arborl::isa_state().store(level);
+  }
+  std::vector<std::string> out{arborl::kIsaNames[isa()]};
+  for (int i = 0; i <= best; ++i) out.emplace_back(arborl::kIsaNames[i]);
+  return out;
+}
+
 }  // namespace
 
 
 TORCH_LIBRARY_FRAGMENT(arborl, m) {
   m.def("row_linear(Tensor x, Tensor panels, int n_out, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("kernel_isa(str want) -> str[]", &kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(arborl, CPU, m) {

@@ -6,6 +6,11 @@
 // alone, decoded in a batch of 32, or verified as a node of a draft tree: speculative decoding then
 // records exactly the log-probs plain decoding does. The q heads that share a KV head are done in
 // one pass over that head's keys (GQA without repeating K/V).
+//
+// Paths per instruction set (isa.h), chosen at run time: scalar, AVX2 and AVX-512F. The weighted sum
+// of V is one fused multiply-add chain per element on every path (bitwise equal); the q.k scores sum
+// 8 (AVX2) or 16 (AVX-512) lanes before a fixed reduction tree, so they agree to float rounding
+// (~1e-7) across paths and bitwise within one.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,10 +21,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define ARBORL_AVX2 1
-#endif
+#include "isa.h"
 
 namespace {
 
@@ -29,7 +31,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {0};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] += a[d + u] * b[d + u];
+    for (int u = 0; u < kLanes; ++u) acc[u] = std::fma(a[d + u], b[d + u], acc[u]);
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
   float s = acc[0];
@@ -58,10 +60,23 @@ inline float exp_nonpositive(float x) {
 
 // scores[j] = scale * q . K[keys[j]] for j < L. The grouping of keys (blocks of 8, then single keys)
 // depends on j and L only, so a row's scores never depend on other rows.
-inline void scores_row(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
-                       float* scores) {
+void scores_scalar(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
+                   float* scores) {
+  for (int64_t j = 0; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
+}
+
+// acc[:D] += sum_j p[j] * V[keys[j]], j in order: one fused multiply-add chain per element, every path
+void weighted_sum_scalar(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc) {
+  for (int64_t j = 0; j < L; ++j) {
+    const float* v = vbase + keys[j] * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], v[d], acc[d]);
+  }
+}
+
+#ifdef ARBORL_X86
+ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D,
+                                    float scale, float* scores) {
   int64_t j = 0;
-#ifdef ARBORL_AVX2
   if (D % 8 == 0) {
     for (; j + 8 <= L; j += 8) {
       __m256 a[8];
@@ -78,14 +93,37 @@ inline void scores_row(const float* q, const float* kbase, const int64_t* keys, 
       _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
     }
   }
-#endif
   for (; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
 }
 
-#ifdef ARBORL_AVX2
+// 8 keys at a time, 16 lanes of d each; the 8 x 16 partial sums fold to 8 x 8 (lane i + lane i+8),
+// then the AVX2 reduction tree
+ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D,
+                                        float scale, float* scores) {
+  int64_t j = 0;
+  if (D % 16 == 0) {
+    for (; j + 8 <= L; j += 8) {
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbase + keys[j + u] * D + d), a[u]);
+      }
+      __m256 f[8];
+      for (int u = 0; u < 8; ++u) f[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), _mm512_extractf32x8_ps(a[u], 1));
+      const __m256 h01 = _mm256_hadd_ps(f[0], f[1]), h23 = _mm256_hadd_ps(f[2], f[3]);
+      const __m256 h45 = _mm256_hadd_ps(f[4], f[5]), h67 = _mm256_hadd_ps(f[6], f[7]);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+      const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+    }
+  }
+  for (; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
+}
+
 // The accumulator of N*8 floats stays in registers.
 template <int N>
-inline void weighted_sum_avx2(const float* p, const float* vbase, const int64_t* keys, int64_t L, float* acc) {
+ARBORL_TARGET_AVX2 void weighted_sum_avx2(const float* p, const float* vbase, const int64_t* keys, int64_t L, float* acc) {
   __m256 a[N];
   for (int u = 0; u < N; ++u) a[u] = _mm256_loadu_ps(acc + 8 * u);
   for (int64_t j = 0; j < L; ++j) {
@@ -95,23 +133,49 @@ inline void weighted_sum_avx2(const float* p, const float* vbase, const int64_t*
   }
   for (int u = 0; u < N; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
+
+template <int N>
+ARBORL_TARGET_AVX512 void weighted_sum_avx512(const float* p, const float* vbase, const int64_t* keys, int64_t L,
+                                              float* acc) {
+  __m512 a[N];
+  for (int u = 0; u < N; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
+  for (int64_t j = 0; j < L; ++j) {
+    const __m512 w = _mm512_set1_ps(p[j]);
+    const float* v = vbase + keys[j] * (16 * N);
+    for (int u = 0; u < N; ++u) a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * u), a[u]);
+  }
+  for (int u = 0; u < N; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
+}
 #endif
 
-// acc[:D] += sum_j p[j] * V[keys[j]], j in order.
-inline void weighted_sum(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc) {
-#ifdef ARBORL_AVX2
-  switch (D) {
-    case 64: return weighted_sum_avx2<8>(p, vbase, keys, L, acc);
-    case 128: return weighted_sum_avx2<16>(p, vbase, keys, L, acc);
-    case 32: return weighted_sum_avx2<4>(p, vbase, keys, L, acc);
-    case 96: return weighted_sum_avx2<12>(p, vbase, keys, L, acc);
-    default: break;
-  }
+inline void scores_row(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
+                       float* scores, int level) {
+#ifdef ARBORL_X86
+  if (level >= arborl::kAvx512) return scores_avx512(q, kbase, keys, L, D, scale, scores);
+  if (level >= arborl::kAvx2) return scores_avx2(q, kbase, keys, L, D, scale, scores);
 #endif
-  for (int64_t j = 0; j < L; ++j) {
-    const float* v = vbase + keys[j] * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v[d];
-  }
+  scores_scalar(q, kbase, keys, L, D, scale, scores);
+}
+
+inline void weighted_sum(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc,
+                         int level) {
+#ifdef ARBORL_X86
+  if (level >= arborl::kAvx512) switch (D) {
+      case 64: return weighted_sum_avx512<4>(p, vbase, keys, L, acc);
+      case 128: return weighted_sum_avx512<8>(p, vbase, keys, L, acc);
+      case 32: return weighted_sum_avx512<2>(p, vbase, keys, L, acc);
+      case 96: return weighted_sum_avx512<6>(p, vbase, keys, L, acc);
+      default: break;
+    }
+  if (level >= arborl::kAvx2) switch (D) {
+      case 64: return weighted_sum_avx2<8>(p, vbase, keys, L, acc);
+      case 128: return weighted_sum_avx2<16>(p, vbase, keys, L, acc);
+      case 32: return weighted_sum_avx2<4>(p, vbase, keys, L, acc);
+      case 96: return weighted_sum_avx2<12>(p, vbase, keys, L, acc);
+      default: break;
+    }
+#endif
+  weighted_sum_scalar(p, vbase, keys, L, D, acc);
 }
 
 void check(const at::Tensor& t, const char* name, int64_t dim, at::ScalarType dtype) {
@@ -194,6 +258,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
   float* od = out.data_ptr<float>();
   const int64_t s_slot = k_cache.stride(0), s_head = k_cache.stride(1);
   const float fscale = static_cast<float>(scale);
+  const int level = arborl::isa();
 
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -210,7 +275,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
       const float* kbase = kd + slot_p[r] * s_slot + g * s_head;
       const float* vbase = vd + slot_p[r] * s_slot + g * s_head;
       const float* qrow = qd + (r * Hq + g * G) * D;
-      for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L);
+      for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L, level);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::vector<float> total(G, 0.0f);
       for (int64_t h = 0; h < G; ++h) {
@@ -226,7 +291,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
         for (; j < L; ++j) sum += s[j];
         total[h] = sum;
       }
-      for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D);
+      for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D, level);
       for (int64_t h = 0; h < G; ++h) {
         float* o = od + (r * Hq + g * G + h) * D;
         const float inv = 1.0f / total[h];
