@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs figures clean
+.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs glossary figures clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -83,6 +83,10 @@ bench-engine: venv
 
 knobs: venv
 	$(PY) -m arborl.docs_knobs > docs/knobs.md
+
+# the feature-label tables of docs/glossary.md, from src/arborl/docs_glossary.py
+glossary: venv
+	$(PY) -m arborl.docs_glossary
 
 # every benchmark (quick) in its own process -> docs/figures.json, then README's table from it (docs/figures.md)
 figures: venv

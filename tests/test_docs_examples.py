@@ -1,10 +1,11 @@
 """The docs a user follows are correct: the example configs load and resolve, the gateway session flow
 (curl and the official openai client) runs against a live gateway, the guide's code runs, every knob
-the docs name exists, every feature label used has a glossary row, and every link stays inside the
-repository and points at something that exists."""
+the docs name exists, every feature label used has a glossary row and every row holds in the code, and
+every link stays inside the repository and points at something that exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from arborl import docs_glossary
 from arborl.config import Config, Section, load_config
 from arborl.datapool import DataPool
 from arborl.extensions import check_extensions
@@ -174,6 +176,31 @@ def test_every_feature_label_used_has_a_glossary_row():
     assert used and used <= rows, used - rows
     every = {f"{g}{i}" for g, n in [("A", 4), ("S", 6), ("P", 2), ("I", 6), ("C", 4), ("E", 5)] for i in range(1, n + 1)}
     assert rows == every  # the whole feature map, nothing else
+
+
+def test_the_glossary_is_generated_and_every_row_holds_in_the_code():
+    assert (REPO / "docs/glossary.md").read_text() == docs_glossary.render((REPO / "docs/glossary.md").read_text()), (
+        "docs/glossary.md is stale: run make glossary")
+    assert [f.label for f in docs_glossary.FEATURES] == sorted(
+        (f.label for f in docs_glossary.FEATURES), key=lambda lab: ("ASPICE".index(lab[0]), lab))
+    problems = [p for f in docs_glossary.FEATURES for p in docs_glossary.check(f)]
+    assert not problems, problems
+    assert "not built" not in (REPO / "docs/glossary.md").read_text()
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (dict(code=("engine/spec/eagle.py",)), "does not exist"),  # code that is not there
+    (dict(code=("engine/spec/suffix.py",)), "does not mention I1"),  # a file that does not build it
+    (dict(knobs=("engine.spec.draft_depth",)), "not a config key"),
+    (dict(knobs=("engine.spec.drafter=eagle",)), "not a valid setting"),  # a name no registry holds
+    (dict(knobs=("train.correction.mode=tis_v2",)), "not a valid setting"),
+    (dict(code=()), "names no code"),  # a row must say where the feature is built
+])
+def test_a_glossary_row_whose_status_is_wrong_fails_the_check(wrong, says):
+    true = next(f for f in docs_glossary.FEATURES if f.label == "I1")
+    assert docs_glossary.check(true) == []
+    problems = docs_glossary.check(dataclasses.replace(true, **wrong))
+    assert len(problems) == 1 and says in problems[0], problems
 
 
 def _slug(heading: str) -> str:

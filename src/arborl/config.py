@@ -543,6 +543,12 @@ class TrainConfig(Section):
         5.0, gt=0, description="decoupled PPO: tokens whose pi_prox / pi_behaviour exceeds this get weight 0, as AReaL's "
         "behav_imp_weight_cap (ratio units; None = no cap; only with decoupled=true)",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="keep only each decoder layer's input for the backward and recompute the layer there "
+        "(torch.utils.checkpoint per layer): activation memory of one layer instead of all, for about one more "
+        "forward's compute per step; gradients unchanged",
+    )
     lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank; only with lora_rank > 0)")
     lora_targets: list[str] = Field(

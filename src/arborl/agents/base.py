@@ -1,4 +1,4 @@
-"""White-box agents: an agent is an async function of a task and a session-bound client.
+"""White-box agents (A1): an agent is an async function of a task and a session-bound client.
 
     async def my_agent(task: Task, client: SessionClient) -> AgentOutcome: ...
 

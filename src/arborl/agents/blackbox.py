@@ -1,4 +1,4 @@
-"""Black-box agents: any program that speaks the OpenAI API, run as a subprocess.
+"""Black-box agents (A2): any program that speaks the OpenAI API, run as a subprocess.
 
 ``BlackBoxRunner.run(command, task)`` opens a session on the gateway and starts ``command`` with
 

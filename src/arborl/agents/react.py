@@ -1,4 +1,4 @@
-"""A built-in ReAct-style tool agent: ask the model, run the tools it calls, feed the results back,
+"""A built-in ReAct-style tool agent (a white-box loop, A1): ask the model, run the tools it calls, feed the results back,
 until it answers without a tool call (or ``max_turns``).
 
 Tools are Python functions (sync or async) taking the call's arguments as keyword arguments and

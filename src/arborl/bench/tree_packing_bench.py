@@ -23,6 +23,13 @@ over all parameters and workloads (float32).
 rows included), ``speedup_*`` = flat time / auto time. On a shared 2-core box run it as
 ``OMP_NUM_THREADS=1 arborl bench tree-packing --quick``: two threads competing with another
 process's threads stall in OpenMP barriers and make single timings swing by 5x.
+
+Activation checkpointing (``train.activation_checkpointing``): forward + backward of the ``35``
+workload (auto packing) without and with it. ``ckpt_peak_mib_off`` / ``_on``: the peak of the memory
+torch allocated during the step above what it held before, from the allocations and frees its profiler
+records (the gradients included, the same in both); ``ckpt_saved_mib`` their difference;
+``ckpt_time_ratio`` on / off seconds (A B B A, unprofiled: the recomputation's cost);
+``ckpt_grad_max_rel_diff`` the largest gradient difference (0: the same gradients).
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ def _multiturn(tokenizer, rng: random.Random, questions: int, episodes: int) -> 
     return Workload("multiturn", batches, masks)
 
 
-def _step(model, work: Workload, mode: str, advantages: list[list[float]]) -> tuple[float, dict]:
+def _step(model, work: Workload, mode: str, advantages: list[list[float]], checkpoint: bool = False) -> tuple[float, dict]:
     """Forward + backward over all micro-batches; returns seconds and token figures."""
     model.zero_grad(set_to_none=True)
     figures = {"tokens_flat": 0, "tokens_packed": 0, "modes": set(), "pack_s": 0.0}
@@ -119,7 +126,7 @@ def _step(model, work: Workload, mode: str, advantages: list[list[float]]) -> tu
         tp = time.perf_counter()
         batch = pack(samples, mode=mode)  # type: ignore[arg-type]
         figures["pack_s"] += time.perf_counter() - tp
-        logps = packed_logprobs(model, batch)
+        logps = packed_logprobs(model, batch, checkpoint=checkpoint)
         loss = logps[0].new_zeros(())
         for lp, m, adv in zip(logps, masks, advs):
             mt = torch.tensor(m, dtype=lp.dtype)
@@ -142,6 +149,37 @@ def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         if scale > 0:
             worst = max(worst, float((x - y).abs().max()) / scale)
     return worst
+
+
+def _peak_mib(model, work: Workload, advantages: list[list[float]], checkpoint: bool) -> float:
+    """Peak of the memory torch allocated during one forward + backward (auto packing) above what was
+    allocated before it, MiB: the running sum of the allocations and frees torch's profiler records."""
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, work, "auto", advantages, checkpoint=checkpoint)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak / 2**20
+
+
+def activation_checkpointing(model, work: Workload, advantages: list[list[float]], console: Console) -> dict:
+    """The memory activation checkpointing saves on ``work`` and what it costs (module docstring)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    grads: dict[bool, list[torch.Tensor]] = {}
+    for on in (False, True, True, False):  # A B B A, unprofiled: the time ratio
+        secs, _ = _step(model, work, "auto", advantages, checkpoint=on)
+        grads.setdefault(on, _grads(model))
+        times[on].append(secs)
+        console.print(f"  checkpointing {'on ' if on else 'off'} {secs:7.2f} s")
+    off, on = _peak_mib(model, work, advantages, False), _peak_mib(model, work, advantages, True)
+    model.zero_grad(set_to_none=True)
+    return {"ckpt_peak_mib_off": off, "ckpt_peak_mib_on": on, "ckpt_saved_mib": off - on,
+            "ckpt_time_ratio": statistics.median(times[True]) / statistics.median(times[False]),
+            "ckpt_grad_max_rel_diff": _max_rel_diff(grads[True], grads[False])}
 
 
 def run(quick: bool, console: Console) -> dict:
@@ -208,6 +246,11 @@ def run(quick: bool, console: Console) -> dict:
         )
     console.print(table)
     console.print(f"max relative gradient difference tree vs flat (float32): {grad_diff:.2e}")
+    console.print("[bold]activation checkpointing[/bold] (workload 35, auto packing, forward + backward)")
+    ckpt = activation_checkpointing(model, loads["35"], advantages["35"], console)
+    console.print(f"peak memory of the step {ckpt['ckpt_peak_mib_off']:.0f} MiB off, {ckpt['ckpt_peak_mib_on']:.0f} MiB "
+                  f"on: {ckpt['ckpt_saved_mib']:.0f} MiB saved, for {ckpt['ckpt_time_ratio']:.2f}x the time; "
+                  f"gradient difference {ckpt['ckpt_grad_max_rel_diff']:.1e}")
 
     out: dict = {"benchmark": "tree-packing", "quick": quick, "model": loaded.name, "reps": reps,
                  "threads": torch.get_num_threads(), "grad_max_rel_diff": grad_diff}
@@ -219,4 +262,5 @@ def run(quick: bool, console: Console) -> dict:
         out[f"tree_s_{name}"] = round(r["tree_s"], 3)
         out[f"auto_mode_{name}"] = r["mode"]
         out[f"pack_ms_{name}"] = round(r["pack_ms"], 2)
+    out.update({k: round(v, 4) for k, v in ckpt.items()})
     return out

@@ -1,4 +1,4 @@
-"""Durable SQLite (WAL) store of calls and episodes; see store.py for the guarantees."""
+"""Durable SQLite (WAL) store of calls and episodes (the data pool, A3); see store.py for the guarantees."""
 
 from arborl.datapool.store import (
     SCHEMA_VERSION,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway: sessions and keys, routing to engines, token-faithful recording.
+"""The OpenAI-compatible gateway (A2, A3): sessions and keys, routing to engines, token-faithful recording.
 
 * ``Gateway`` (core.py): the plain-Python core every path goes through;
 * ``RequestRun`` (run.py): one request in flight, seeing the gateway through ``RequestContext`` (context.py);

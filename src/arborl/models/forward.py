@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from arborl.types import ArborlError
@@ -89,32 +90,53 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, linear: Linear | None) -> torch.Tensor
     return linear((mlp.down_proj,), mlp.act_fn(gate) * up)[0]
 
 
+def decoder_layer(
+    layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, linear: Linear | None = None
+) -> torch.Tensor:
+    """One decoder layer (attention + MLP, both residual) over hidden states ``h`` [b, s, hidden]."""
+    lin = linear or _call
+    attn = layer.self_attn
+    b, s, _ = h.shape
+    x = layer.input_layernorm(h)
+    q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = _rope(q.transpose(1, 2), cos, sin)
+    k = _rope(k.transpose(1, 2), cos, sin)
+    out = attend(q, k, v.transpose(1, 2))
+    h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
+    return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
+
+
 def decoder_hidden(
     model: nn.Module,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     make_attend: Callable[[int], Attend],
     linear: Linear | None = None,
+    *,
+    checkpoint: bool = False,
 ) -> torch.Tensor:
     """Decoder layers over ``input_ids`` [b, s] at ``position_ids`` [b, s]; returns hidden states
-    [b, s, hidden] before the final norm."""
-    lin = linear or _call
+    [b, s, hidden] before the final norm.
+
+    ``checkpoint`` (activation checkpointing, ``train.activation_checkpointing``): when gradients are
+    on, each layer keeps only its input for the backward and runs again there
+    (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer instead of all of
+    them, for one more forward's compute. The same operations on the same inputs: the gradients are
+    those of the plain forward."""
     decoder = model.model
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    b, s, _ = h.shape
+    recompute = checkpoint and torch.is_grad_enabled()
     for i, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = _rope(q.transpose(1, 2), cos, sin)
-        k = _rope(k.transpose(1, 2), cos, sin)
-        out = make_attend(i)(q, k, v.transpose(1, 2))
-        h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
-        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
+        if recompute:
+            h = torch.utils.checkpoint.checkpoint(
+                decoder_layer, layer, h, cos, sin, make_attend(i), linear, use_reentrant=False
+            )
+        else:
+            h = decoder_layer(layer, h, cos, sin, make_attend(i), linear)
     return h
 
 

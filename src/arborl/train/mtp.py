@@ -1,4 +1,4 @@
-"""Online training of the MTP drafter's head (Forge, slime): once per RL step, after the policy step,
+"""Online training of the MTP drafter's head (I3; Forge, slime): once per RL step, after the policy step,
 on the step's rollout tokens.
 
 The policy runs once without gradients (its hidden states are detached: the backbone never learns

@@ -275,12 +275,12 @@ def _padded_rows(batch: PackedBatch, device: torch.device, multiple: int = 1):
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[False] = ..., attention: Backend = ...,
-    block_size: int = ..., temperature: float = ...,
+    block_size: int = ..., temperature: float = ..., checkpoint: bool = ...,
 ) -> list[torch.Tensor]: ...
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[True], attention: Backend = ...,
-    block_size: int = ..., temperature: float = ...,
+    block_size: int = ..., temperature: float = ..., checkpoint: bool = ...,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
@@ -292,6 +292,7 @@ def packed_logprobs(
     attention: Backend = "auto",
     block_size: int = DEFAULT_BLOCK_SIZE,
     temperature: float = 1.0,
+    checkpoint: bool = False,
 ):
     """Per-sample next-token log-probs (and entropies) of ``batch`` under ``model``.
 
@@ -307,6 +308,8 @@ def packed_logprobs(
     ``attention``: ``auto`` (flex_attention where it runs forward and backward, i.e. CUDA;
     else ``blocks``), ``blocks`` (block-sparse SDPA over one concatenated sequence; the CPU
     default), ``dense`` (padded rows, dense mask; reference) or ``flex``.
+
+    ``checkpoint``: activation checkpointing per decoder layer (``decoder_hidden``); same gradients.
     """
     param = next(model.parameters())
     device = param.device
@@ -324,13 +327,14 @@ def packed_logprobs(
             plan = batch._plans[block_size] = block_plan(batch.vis_end, block_size)
         attend = blocks_attend(plan, scale, gqa, device)
         hidden = decoder_hidden(
-            model, batch.input_ids.to(device)[None], batch.position_ids.to(device)[None], lambda _: attend
+            model, batch.input_ids.to(device)[None], batch.position_ids.to(device)[None], lambda _: attend,
+            checkpoint=checkpoint,
         )[0]
     else:
         # flex: a few padded lengths, so that the compiled kernel is not rebuilt for every batch
         ids, pos, end, real = _padded_rows(batch, device, 128 if backend == "flex" else 1)
         attend = dense_attend(end, scale, gqa) if backend == "dense" else flex_attend(end, scale, gqa)
-        hidden = decoder_hidden(model, ids, pos, lambda _: attend)
+        hidden = decoder_hidden(model, ids, pos, lambda _: attend, checkpoint=checkpoint)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real)
 
     splits = [max(n - 1, 0) for n in batch.sample_lengths]

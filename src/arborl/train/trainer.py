@@ -222,7 +222,8 @@ class Trainer:
             packed_tokens += batch.tokens_packed
             flat_tokens += batch.tokens_flat
             want_entropy = cfg.loss.entropy_coef > 0
-            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy, temperature=self.temperature)
+            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy, temperature=self.temperature,
+                                  checkpoint=cfg.activation_checkpointing)
             lps, ents = out if want_entropy else (out, None)
             logp = pad_sequence(lps, batch_first=True)
             entropy = pad_sequence(ents, batch_first=True) if ents is not None else None

@@ -1,4 +1,4 @@
-"""Drafts from a smaller model of the same tokenizer: the policy's first ``draft_layers`` decoder
+"""Drafts from a smaller model (I1) of the same tokenizer: the policy's first ``draft_layers`` decoder
 layers with its embeddings, final norm and LM head (shared, not copied: a weight update reaches the
 drafter at once), run by the engine's own forward (``ModelRunner``) over a KV cache of its own.
 

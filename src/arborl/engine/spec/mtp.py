@@ -1,4 +1,4 @@
-"""The ``mtp`` drafter: a multi-token-prediction head on the policy (DeepSeek-V3's MTP module).
+"""The ``mtp`` drafter (I2): a multi-token-prediction head on the policy (DeepSeek-V3's MTP module).
 
 At position i the head reads the policy's last hidden state h_{i-1} (before the final norm, the row
 that predicted token t_i) and the embedding of t_i, and predicts t_{i+1}:

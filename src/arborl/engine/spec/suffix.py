@@ -1,4 +1,4 @@
-"""Suffix drafts (SuffixDecoding) from the request's own tokens and its GRPO group's (Seer).
+"""Suffix drafts (SuffixDecoding; I4) from the request's own tokens and its GRPO group's (Seer).
 
 A ``TokenStore`` keeps token streams (one per request: prompt + output) with an index of where every
 n-gram (n = ``min_match``) ends. To draft, the last n tokens of the context find their earlier
