@@ -9,6 +9,7 @@ engine's numbers the same.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,19 +102,44 @@ def decoder_hidden(
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    b, s, _ = h.shape
     for i, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = _rope(q.transpose(1, 2), cos, sin)
-        k = _rope(k.transpose(1, 2), cos, sin)
-        out = make_attend(i)(q, k, v.transpose(1, 2))
-        h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
-        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
+        args = (layer, h, cos, sin, make_attend(i), lin, linear)
+        # a layer made call-through (train.parallel shards it with FSDP2) runs its body inside its own
+        # __call__, so the hooks that gather and free its parameters run around it
+        h = layer(_decoder_layer, *args) if getattr(layer, CALL_THROUGH, False) else _decoder_layer(*args)
     return h
+
+
+def _decoder_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                   lin: Linear, linear: Linear | None) -> torch.Tensor:
+    b, s, _ = h.shape
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = _rope(q.transpose(1, 2), cos, sin)
+    k = _rope(k.transpose(1, 2), cos, sin)
+    out = attend(q, k, v.transpose(1, 2))
+    h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
+    return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
+
+
+CALL_THROUGH = "_arborl_call_through"
+
+
+def _call_through(self: nn.Module, fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def make_call_through(module: nn.Module) -> nn.Module:
+    """Make ``module(fn, *args)`` run ``fn(*args)`` under the module's own ``__call__`` (its forward
+    hooks around it): how a module wrapped by a distributed engine (FSDP2 gathers a layer's
+    parameters in a forward pre-hook) runs arborl's own forward code. ``decoder_hidden`` calls such
+    layers through; the caller calls such a root model through."""
+    module.forward = types.MethodType(_call_through, module)
+    setattr(module, CALL_THROUGH, True)
+    return module
 
 
 def lm_logits(model: nn.Module, hidden: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
