@@ -497,6 +497,49 @@ class MTPTrainConfig(Section):
     )
 
 
+class ParallelConfig(Section):
+    """Data-parallel training over several ranks under torch.distributed (train/parallel.py, docs/cluster.md)."""
+
+    ranks: int = Field(
+        1, ge=1, description="trainer ranks (processes, one device each); > 1 needs strategy ddp or fsdp2"
+    )
+    strategy: Literal["none", "ddp", "fsdp2"] = Field(
+        "none",
+        description="none = one process; ddp = every rank holds the whole model, gradients all-reduced; fsdp2 = "
+        "parameters, gradients and optimiser state sharded across the ranks (torch fully_shard, one unit per "
+        "decoder layer + the root)",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp2: free a layer's gathered parameters after its forward (gather again in backward; "
+        "less memory, more communication)"
+    )
+    mixed_precision: Literal["none", "bfloat16", "float16"] = Field(
+        "none", description="fsdp2: dtype the gathered parameters compute in (gradients reduced in float32; none = "
+        "the model's dtype)"
+    )
+    cpu_offload: bool = Field(
+        False, description="fsdp2: keep the sharded parameters, gradients and optimiser state in CPU memory (CUDA runs)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU"
+    )
+    threads_per_rank: int = Field(1, ge=1, description="torch CPU threads of each rank process")
+    weight_sync: Literal["gather", "stream"] = Field(
+        "stream",
+        description="how the weights for the engines leave the shards: gather = the whole model gathered on rank 0, "
+        "then published; stream = one layer at a time gathered and sent (rank 0 holds about one layer)",
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="longest wait for a collective or for a rank's answer before the group is torn down (seconds)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ParallelConfig":
+        if self.ranks > 1 and self.strategy == "none":
+            raise ValueError(f"train.parallel.ranks={self.ranks} needs train.parallel.strategy=ddp or fsdp2")
+        return self
+
+
 class TrainConfig(Section):
     """Policy optimisation: advantages, loss, mismatch correction."""
 
@@ -549,6 +592,7 @@ class TrainConfig(Section):
         "(torch.utils.checkpoint per layer): activation memory of one layer instead of all, for about one more "
         "forward's compute per step; gradients unchanged",
     )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="data-parallel training over ranks")
     lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank; only with lora_rank > 0)")
     lora_targets: list[str] = Field(

@@ -11,6 +11,7 @@ logits to this one.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,14 +131,34 @@ def decoder_hidden(
     cos, sin = decoder.rotary_emb(h, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     recompute = checkpoint and torch.is_grad_enabled()
+    run = _recomputed_layer if recompute else decoder_layer
     for i, layer in enumerate(decoder.layers):
-        if recompute:
-            h = torch.utils.checkpoint.checkpoint(
-                decoder_layer, layer, h, cos, sin, make_attend(i), linear, use_reentrant=False
-            )
-        else:
-            h = decoder_layer(layer, h, cos, sin, make_attend(i), linear)
+        args = (layer, h, cos, sin, make_attend(i), linear)
+        # a layer made call-through (train.parallel shards it with FSDP2) runs its body inside its own
+        # __call__, so the hooks that gather and free its parameters run around it
+        h = layer(run, *args) if getattr(layer, CALL_THROUGH, False) else run(*args)
     return h
+
+
+def _recomputed_layer(*args) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(decoder_layer, *args, use_reentrant=False)
+
+
+CALL_THROUGH = "_arborl_call_through"
+
+
+def _call_through(self: nn.Module, fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def make_call_through(module: nn.Module) -> nn.Module:
+    """Make ``module(fn, *args)`` run ``fn(*args)`` under the module's own ``__call__`` (its forward
+    hooks around it): how a module wrapped by a distributed engine (FSDP2 gathers a layer's
+    parameters in a forward pre-hook) runs arborl's own forward code. ``decoder_hidden`` calls such
+    layers through; the caller calls such a root model through."""
+    module.forward = types.MethodType(_call_through, module)
+    setattr(module, CALL_THROUGH, True)
+    return module
 
 
 def lm_logits(model: nn.Module, hidden: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:

@@ -133,11 +133,13 @@ class Trainer:
             self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
         )
         # KL needs a frozen reference: the base model under LoRA, else a copy of the start weights
-        self.ref_model = None
-        if cfg.loss.kl_coef > 0 and cfg.lora_rank == 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.ref_model = self._make_ref(model) if cfg.loss.kl_coef > 0 and cfg.lora_rank == 0 else None
         self.step = 0
         self.device = next(self.model.parameters()).device
+
+    def _make_ref(self, model: nn.Module) -> nn.Module:
+        """The frozen KL reference: a copy of the start weights."""
+        return copy.deepcopy(model).eval().requires_grad_(False)
 
     def _with_lora(self, model: nn.Module) -> nn.Module:
         try:
@@ -206,7 +208,6 @@ class Trainer:
     ) -> tuple[dict[str, float], int, int]:
         """Gradients of the samples ``part`` (micro-batched), clipped, one AdamW step; its metrics."""
         cfg = self.cfg
-        tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
         chosen = [samples[i] for i in part]
         num_tokens = sum(sum(s.loss_mask[1:]) for s in chosen)
         num_samples = sum(1 for s in chosen if any(s.loss_mask[1:]))
@@ -214,48 +215,68 @@ class Trainer:
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
         packed_tokens = flat_tokens = 0
         for idx in micro_batches(chosen, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
-            mb = [chosen[i] for i in idx]
-            batch = pack(
-                [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
-                min_saving=cfg.packing_min_saving,
-            )
-            packed_tokens += batch.tokens_packed
-            flat_tokens += batch.tokens_flat
-            want_entropy = cfg.loss.entropy_coef > 0
-            out = packed_logprobs(self.policy, batch, with_entropy=want_entropy, temperature=self.temperature,
-                                  checkpoint=cfg.activation_checkpointing)
-            lps, ents = out if want_entropy else (out, None)
-            logp = pad_sequence(lps, batch_first=True)
-            entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
-            dtype = logp.dtype
-            mask = _per_token(mb, "loss_mask", dtype, self.device)
-            rollout = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
-            adv = _per_token(mb, "advantages", dtype, self.device)
-            chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
-            if proximal is None:
-                prox = logp.detach()
-            else:
-                prox = pad_sequence([proximal[part[i]] for i in idx], batch_first=True).to(self.device, dtype)
-            weights, corr = rollout_correction(
-                logp.detach(), rollout, mask, chunk_ids=chunks, **cfg.correction.model_dump()
-            )
-            if cfg.decoupled:
-                w_dec, dec = decoupled_weights(prox, rollout, mask, cap=cfg.decoupled_weight_cap)
-                weights, corr = weights * w_dec, {**corr, **dec}
-            old = prox if cfg.old_logprobs == "trainer" else rollout
-            ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
-            loss, metrics = policy_loss(
-                logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
-                rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
-            )
-            loss.backward()
-            w = float(mask.sum())
-            for k, v in {**metrics, **corr}.items():
-                acc[k].append((float(v), w))
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+            packed, flat = self._micro_step(samples, [part[i] for i in idx], proximal, num_tokens, num_samples, acc)
+            packed_tokens += packed
+            flat_tokens += flat
+        grad_norm = self._clip_and_step()
+        return {**_merge_metrics(acc), "train/grad_norm": grad_norm}, packed_tokens, flat_tokens
+
+    def _micro_step(
+        self, samples: list[Sample], rows: list[int], proximal: dict[int, torch.Tensor] | None, num_tokens: int,
+        num_samples: int, acc: dict[str, list[tuple[float, float]]],
+    ) -> tuple[int, int]:
+        """Forward and backward of the micro-batch ``samples[rows]``, its loss normalised by the optimiser
+        step's ``num_tokens`` / ``num_samples``; appends its metrics to ``acc``; returns (packed, flat) tokens."""
+        cfg = self.cfg
+        tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
+        mb = [samples[i] for i in rows]
+        batch = pack(
+            [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
+            min_saving=cfg.packing_min_saving,
+        )
+        want_entropy = cfg.loss.entropy_coef > 0
+        out = self._forward(batch, with_entropy=want_entropy)
+        lps, ents = out if want_entropy else (out, None)
+        logp = pad_sequence(lps, batch_first=True)
+        entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
+        dtype = logp.dtype
+        mask = _per_token(mb, "loss_mask", dtype, self.device)
+        rollout = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
+        adv = _per_token(mb, "advantages", dtype, self.device)
+        chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
+        if proximal is None:
+            prox = logp.detach()
+        else:
+            prox = pad_sequence([proximal[i] for i in rows], batch_first=True).to(self.device, dtype)
+        weights, corr = rollout_correction(
+            logp.detach(), rollout, mask, chunk_ids=chunks, **cfg.correction.model_dump()
+        )
+        if cfg.decoupled:
+            w_dec, dec = decoupled_weights(prox, rollout, mask, cap=cfg.decoupled_weight_cap)
+            weights, corr = weights * w_dec, {**corr, **dec}
+        old = prox if cfg.old_logprobs == "trainer" else rollout
+        ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
+        loss, metrics = policy_loss(
+            logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
+            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
+        )
+        loss.backward()
+        w = float(mask.sum())
+        for k, v in {**metrics, **corr}.items():
+            acc[k].append((float(v), w))
+        return batch.tokens_packed, batch.tokens_flat
+
+    def _forward(self, batch, *, with_entropy: bool = False):
+        """The policy's per-sample log-probs (and entropies) of a packed batch."""
+        return packed_logprobs(self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
+                               checkpoint=self.cfg.activation_checkpointing)
+
+    def _clip_and_step(self) -> float:
+        """Clip the gradients' global norm, take the AdamW step; the norm before clipping."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         self.optimizer.step()
-        return {**_merge_metrics(acc), "train/grad_norm": grad_norm}, packed_tokens, flat_tokens
+        return grad_norm
 
     @torch.no_grad()
     def _logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
@@ -266,7 +287,7 @@ class Trainer:
                 [samples[i].token_ids for i in idx], mode=self.cfg.packing, token_budget=self.cfg.micro_batch_tokens,
                 min_saving=self.cfg.packing_min_saving,
             )
-            for i, lp in zip(idx, packed_logprobs(self.policy, batch, temperature=self.temperature)):
+            for i, lp in zip(idx, self._forward(batch)):
                 out[i] = lp.detach()
         return out
 

@@ -1,0 +1,48 @@
+"""Shared pieces of the train.parallel tests: a tiny model, grouped samples, process checks."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from arborl.models import tiny_llama
+from arborl.types import Sample
+
+VOCAB = 128
+
+
+def tiny(seed: int = 0):
+    return tiny_llama(layers=2, hidden=32, vocab=VOCAB, heads=4, kv_heads=2, seed=seed)
+
+
+def make_samples(seed: int, groups: int = 4, size: int = 3, prompt: tuple[int, int] = (3, 12)) -> list[Sample]:
+    """GRPO-like groups: members share their prompt; group sizes of prompts vary."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        head = [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))]
+        for _ in range(size):
+            resp = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
+            toks = head + resp
+            mask = [0] * len(head) + [1] * len(resp)
+            adv = rng.uniform(-1, 1)
+            out.append(Sample(
+                episode_id=f"e{len(out)}", group_id=f"g{g}", token_ids=toks, loss_mask=mask,
+                rollout_logprobs=[-rng.uniform(3, 6) if m else 0.0 for m in mask],
+                versions=[0 if m else -1 for m in mask], chunk_ids=[0] * len(toks),
+                advantages=[adv if m else 0.0 for m in mask], reward=adv,
+            ))
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids that still run (a zombie does not count)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
