@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"agents"},  # white-box loops, black-box runner
     {"tasks"},  # task suites
     {"controller", "assemble", "sim", "extensions", "workers", "cluster"},  # the step loop, wiring, simulator, rollout workers, Ray
-    {"job", "serve", "cli", "bench", "docs_knobs", "docs_glossary", "docs_figures", "rundir", "stopping", "export", "show", "dashboard"},  # entry points
+    {"job", "serve", "cli", "bench", "docs_knobs", "docs_glossary", "docs_figures", "rundir", "stopping", "export", "show", "dashboard", "sft"},  # entry points
 ]
 
 

@@ -363,5 +363,55 @@ def envs_perturb(
     print(json.dumps(out, sort_keys=True))
 
 
+@envs_app.command("demos")
+def envs_demos(
+    suite: str = typer.Argument(..., help="task suite: code_repair"),
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair, rollout.envs, max_turns)"),
+    out: Path = typer.Option(Path("demos.jsonl"), "--out", help="JSONL file of transcripts to write ({messages, tools})"),
+    split: str = typer.Option("train", "--split", help="train (what SFT may see) or eval"),
+    per_task: int = typer.Option(2, "--per-task", min=1, help="demonstrations per task (each takes another path)"),
+    limit: int = typer.Option(0, "--limit", min=0, help="only the first N tasks of the split (0 = all)"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Demonstrations from the suite itself: a scripted expert reaches each task's gold patch through the code
+    agent's tools in the sandbox; only demos whose workspace passes the hidden tests are written. Last line: JSON."""
+    from arborl.config import load_config
+    from arborl.tasks.code_repair.demos import write_demos
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    if suite != "code_repair":
+        raise _fail(console, f"demonstrations are generated for the code_repair suite, not {suite!r}")
+    try:
+        res = write_demos(load_config(config, overrides), out, split=split, per_task=per_task, limit=limit)
+    except (ArborlError, ValueError) as e:
+        raise _fail(console, e) from None
+    console.print(f"wrote {res['kept']} demonstrations of {res['tasks']} {split} tasks to {out}; dropped "
+                  f"{res['dropped']} whose workspace failed the hidden tests", markup=False)
+    print(json.dumps(res, sort_keys=True))
+
+
+@app.command()
+def sft(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (model, train.*, train.sft.*)"),
+    data: list[Path] = typer.Option([], "--data", help="JSONL / Parquet transcripts (default: train.sft.files; repeatable)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="delete an earlier run's outputs in runs/NAME first"),
+    overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
+) -> None:
+    """Supervised fine-tuning on chat transcripts (OpenAI messages + tools), loss on assistant tokens only;
+    writes runs/NAME/ like `arborl train` (checkpoint/ is a Hugging Face model directory)."""
+    from arborl.config import load_config
+    from arborl.sft import sft as run_sft
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        summary = run_sft(load_config(config, overrides), files=[str(p) for p in data] or None, overwrite=overwrite,
+                          console=console)
+    except (ArborlError, OSError) as e:
+        raise _fail(console, e) from None
+    print(json.dumps(summary, sort_keys=True))
+
+
 if __name__ == "__main__":
     app()

@@ -540,6 +540,39 @@ class ParallelConfig(Section):
         return self
 
 
+class RejectionConfig(Section):
+    """Rejection-sampling fine-tuning / expert iteration (train.sft.rejection): sample k episodes per
+    train-split task, keep those that pass (the task's outcome is 1, after the judge when it is on),
+    fine-tune on them, repeat."""
+
+    rounds: int = Field(0, ge=0, description="sample-filter-fine-tune rounds before RL (0 = off; rounds)")
+    k: int = Field(4, ge=1, description="episodes sampled per task and round (episodes)")
+    tasks: int = Field(16, ge=1, description="train-split tasks sampled per round (tasks)")
+    temperature: float = Field(0.8, gt=0, description="sampling temperature of the episodes")
+    base_url: str | None = Field(
+        None, description="sample from this OpenAI-compatible endpoint (a stronger model, .../v1) instead of the "
+        "current policy; its transcripts are rendered by the policy's chat template (None = the current policy)")
+    model: str | None = Field(None, description="model name sent to base_url")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding base_url's API key")
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning on chat transcripts (`arborl sft`, and the warm-start stage of `arborl train`):
+    OpenAI-style messages (+ tools) rendered by the gateway's chat template, loss on assistant tokens only."""
+
+    files: list[str] = Field(
+        default_factory=list,
+        description="JSONL / Parquet files of transcripts, one {messages, tools} object per row; non-empty: "
+        "`arborl train` fine-tunes on them before RL",
+    )
+    epochs: int = Field(1, ge=1, description="passes over the transcripts (epochs)")
+    batch_transcripts: int = Field(8, ge=1, description="transcripts per optimiser step (transcripts)")
+    lr: float | None = Field(None, gt=0, description="AdamW learning rate of the SFT steps (None = train.lr)")
+    heldout_fraction: float = Field(
+        0.1, ge=0, lt=1, description="transcripts kept out of training to measure held-out NLL per token (fraction)")
+    rejection: RejectionConfig = Field(default_factory=RejectionConfig, description="rejection sampling / expert iteration")
+
+
 class TrainConfig(Section):
     """Policy optimisation: advantages, loss, mismatch correction."""
 
@@ -547,6 +580,7 @@ class TrainConfig(Section):
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="training-inference mismatch correction")
     mtp: MTPTrainConfig = Field(default_factory=MTPTrainConfig, description="online training of the MTP drafter's head")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm-start on transcripts (`arborl sft`)")
     lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
@@ -687,6 +721,8 @@ class CodeRepairConfig(Section):
     )
     validation_k: int = Field(3, ge=1, description="runs of the gold patch and of the no-op per task when validating; all must agree (runs)")
     test_timeout_s: float = Field(60.0, gt=0, description="wall-clock limit of one run of a task's hidden tests (seconds)")
+    eval_perturbed: bool = Field(
+        False, description="also evaluate on the perturbed variants of the held-out tasks (split eval_perturbed, E5)")
 
 
 class JudgeConfig(Section):
@@ -858,8 +894,14 @@ class SchedulingConfig(Section):
         "sync",
         description="what the trainer may consume (registry rollout.consume.CONSUME_POLICIES): sync = on-policy, the "
         "step waits for its batch; async_ratio = ROLL's bounded staleness; windowed_fifo = Forge's generation-order "
-        "window; or a path to your own, package.module:attr or path/to/file.py:attr",
+        "window; dynamic = sync that skips all-equal groups and over-draws to keep the batch full (DAPO, "
+        "rollout/dynamic.py); or a path to your own, package.module:attr or path/to/file.py:attr",
     )
+    dynamic_max_draws: float = Field(
+        3.0, ge=1, description="dynamic: most groups started per step, as a multiple of the batch (batches)")
+    dynamic_skip_after: int = Field(
+        2, ge=0, description="dynamic: skip a task whose last this-many groups were all-pass or all-fail "
+        "(groups; 0 = never skip tasks)")
     async_ratio: float = Field(
         1.0,
         ge=0,

@@ -308,14 +308,15 @@ class Controller:
         }
 
     # -- evaluation -------------------------------------------------------------------------------
-    async def evaluate(self, n: int) -> dict[str, float]:
-        """Held-out success: one episode per eval task at ``eval_temperature``."""
+    async def evaluate(self, n: int, split: str = "eval") -> dict[str, float]:
+        """Held-out success: one episode per task of ``split`` (eval; a suite may offer more held-out
+        splits, e.g. code_repair's eval_perturbed) at ``eval_temperature``."""
         if n <= 0:
             return {}
-        tasks = self.suite.tasks("eval", n, seed=0)
+        tasks = self.suite.tasks(split, n, seed=0)
         t0 = time.perf_counter()
         episodes = await self.run_groups(tasks, 1, temperature=self.cfg.rollout.eval_temperature,
-                                         tag=f"eval-v{self.version}")
+                                         tag=f"{split}-v{self.version}")
         return {
             "eval_success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / len(episodes),
             "eval_reward": sum(e.reward or 0.0 for e in episodes) / len(episodes),

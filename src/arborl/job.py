@@ -149,9 +149,16 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                 extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
                 await asyncio.to_thread(save_checkpoint, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
 
+            async def sft_warm_start(summary: dict[str, Any]) -> None:
+                from arborl.sft import warm_start
+
+                await warm_start(cfg, ctl, trainer, loaded.tokenizer, metrics.write, console, summary)
+
+            warm = sft_warm_start if not resume and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
             try:
                 summary, stopped, last = asyncio.run(_train_loop(
-                    cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1))
+                    cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1,
+                    warm=warm))
             finally:
                 launched.close()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
@@ -213,9 +220,21 @@ def _step_display(console: Console, total: int, start: int) -> Iterator[Callable
         yield show
 
 
+async def _evaluate(ctl: Controller, metrics: MetricsLog, step: int, label: str, summary: dict[str, Any],
+                    console: Console) -> None:
+    """Held-out success on each of the suite's held-out splits (eval; code_repair's eval_perturbed too), into
+    metrics rows and ``summary`` as <split>_success_<label>."""
+    for split in getattr(ctl.suite, "eval_splits", ("eval",)):
+        ev = await ctl.evaluate(ctl.cfg.rollout.eval_tasks, split)
+        metrics.write({"kind": "eval", "step": step, "split": split, "stage": label, **ev})
+        summary[f"{split}_success_{label}"] = ev["eval_success"]
+        console.print(f"  {split} success {label.replace('_', ' ')}: {ev['eval_success']:.3f}")
+
+
 async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_step: int, summary_prev: dict,
                       save: Callable[[int, dict[str, Any]], Awaitable[None]], console: Console, stop: StopRequest,
-                      *, saved: int) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+                      *, saved: int, warm: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                      ) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """Steps ``start_step``..rollout.steps; returns (summary, why it stopped early or None, last step's metrics)."""
     r = cfg.rollout
     summary: dict[str, Any] = dict(summary_prev)
@@ -227,10 +246,11 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
     try:
         if start_step == 0 and r.eval_tasks:
             console.print(f"evaluating the starting policy on {plural(r.eval_tasks, 'held-out task')} ...")
-            ev = await ctl.evaluate(r.eval_tasks)
-            metrics.write({"kind": "eval", "step": 0, **ev})
-            summary["eval_success_before"] = ev["eval_success"]
-            console.print(f"  held-out success before RL: {ev['eval_success']:.3f}")
+            await _evaluate(ctl, metrics, 0, "before", summary, console)
+        if start_step == 0 and warm is not None:  # train.sft: fine-tune before RL, then evaluate again
+            await warm(summary)
+            if r.eval_tasks:
+                await _evaluate(ctl, metrics, 0, "after_sft", summary, console)
         with _step_display(console, r.steps, start_step) as show:
             for step in range(start_step, r.steps):
                 if stop.requested:
@@ -264,9 +284,7 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
             summary["mean_step_s"] = round(sum(x["step_s"] for x in steps) / len(steps), 2)
         if stopped is None and r.eval_tasks:
             console.print(f"evaluating the trained policy on {plural(r.eval_tasks, 'held-out task')} ...")
-            ev = await ctl.evaluate(r.eval_tasks)
-            metrics.write({"kind": "eval", "step": done, **ev})
-            summary["eval_success_after"] = ev["eval_success"]
+            await _evaluate(ctl, metrics, done, "after", summary, console)
             if "eval_success_before" in summary:
                 summary["eval_success_gain"] = round(ev["eval_success"] - summary["eval_success_before"], 4)
     finally:

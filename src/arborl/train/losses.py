@@ -371,6 +371,13 @@ def _ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: float 
     return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
+@POLICY_LOSSES.register("sft")
+def _sft(logp: Tensor, old_logp: Tensor, advantages: Tensor, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised fine-tuning: l_t = -A_t * logp_t, the negative log-likelihood of the target tokens
+    (A_t = 1 on a demonstration; a per-token weight otherwise). No ratio, no clip."""
+    return -advantages * logp, {}
+
+
 @POLICY_LOSSES.register("cispo")
 def _cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, cispo_eps_high: float = 0.28,
            cispo_eps_low: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:

@@ -131,7 +131,7 @@ class CodeRepairSuite:
     ) -> None:
         self.cfg = cfg
         self.root = suite_root(cfg)
-        self.all_tasks = materialise(self.root, cfg.seed, cfg.per_template, variants=cfg.variants)
+        self.all_tasks = materialise(self.root, cfg.seed, cfg.per_template, variants=cfg.variants or cfg.eval_perturbed)
         self._by_hash = {t.hash: t for t in self.all_tasks}
         self.cache = ValidationCache(self.root)
         self._envs = envs
@@ -149,13 +149,28 @@ class CodeRepairSuite:
         return self._runtime
 
     # -- tasks ----------------------------------------------------------------------------------------
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        """The held-out splits a run evaluates: eval, and eval_perturbed (the held-out tasks' variants, E5)
+        with ``eval_perturbed``."""
+        return ("eval", "eval_perturbed") if self.cfg.eval_perturbed else ("eval",)
+
     def pool(self, split: str) -> list[RepairTask]:
-        """The tasks of ``split`` that the tier and validation knobs allow, in a fixed order."""
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        """The tasks of ``split`` that the tier and validation knobs allow, in a fixed order. ``eval_perturbed``:
+        the perturbed variants of the eval split's tasks (never drawn for training or plain eval unless
+        ``variants``)."""
+        if split not in ("train", "eval", "eval_perturbed"):
+            raise ValueError(f"split must be 'train', 'eval' or 'eval_perturbed', got {split!r}")
         statuses = self.cache.statuses()
         ok = {"validated"} if self.cfg.require_validated else {"validated", ""}
-        out = [t for t in self.all_tasks if t.split == split and self.cfg.tier in ("all", t.tier)
+
+        def wanted(t: RepairTask) -> bool:
+            variant = bool(t.meta.get("perturbation"))
+            if split == "eval_perturbed":
+                return t.split == "eval" and variant
+            return t.split == split and (self.cfg.variants or not variant)
+
+        out = [t for t in self.all_tasks if wanted(t) and self.cfg.tier in ("all", t.tier)
                and statuses.get(t.hash, "") in ok]
         if not out:
             tier = f" --tier {self.cfg.tier}" if self.cfg.tier != "all" else ""
@@ -167,7 +182,7 @@ class CodeRepairSuite:
 
     def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
         pool = self.pool(split)
-        if split == "eval":
+        if split != "train":
             return [self._task(t) for t in pool[:n]]
         rng = random.Random(seed)
         out: list[Task] = []

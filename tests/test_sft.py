@@ -1,0 +1,102 @@
+"""SFT on chat transcripts (issue 31): rendered by the gateway's own renderer with loss on the assistant's
+tokens only, trained by the policy trainer (tree packing, LoRA or full), `arborl sft` writes a run
+directory whose checkpoint is a Hugging Face model directory, and fine-tuning a tiny model raises the
+log-likelihood of held-out demonstrations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arborl.config import load_config
+from arborl.gateway.render import ChatRenderer, normalize_messages
+from arborl.gateway.transcript import transcript_sample
+from arborl.models import load_model
+from arborl.sft import TranscriptError, read_transcripts, sft
+
+TOOLS = [{"type": "function", "function": {"name": "echo", "description": "say a word back",
+                                           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "sugar", "ocean", "pearl", "cedar",
+         "amber", "raven", "delta", "ember", "flint", "grove", "haven", "ivory", "jolly", "kiwi", "lunar", "mango"]
+
+
+def transcript(word: str) -> dict:
+    return {"messages": [
+        {"role": "system", "content": "You repeat words with the echo tool."},
+        {"role": "user", "content": f"Repeat the word {word}."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": json.dumps({"text": word})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": word},
+        {"role": "assistant", "content": f"I said {word}."},
+    ], "tools": TOOLS}
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, [f"runs_dir={tmp_path}", "name=sft", "model.source=tiny", "model.tiny_tokenizer=smollm2",
+                              "model.tiny_layers=2", "model.tiny_hidden=64", *extra])
+
+
+def test_loss_is_on_the_assistant_tokens_only_and_the_layout_is_the_gateways(tmp_path):
+    tok = load_model(_cfg(tmp_path).model).tokenizer
+    r = ChatRenderer(tok)
+    t = transcript("apple")
+    s = transcript_sample(r, t["messages"], t["tools"])
+    assert len(s.token_ids) == len(s.loss_mask) and s.loss_mask[0] == 0
+    # the trained spans, decoded, are exactly what the assistant wrote (tool call in the gateway's format) + end of turn
+    spans, cur = [], []
+    for tid, m in zip(s.token_ids, s.loss_mask):
+        if m:
+            cur.append(tid)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans.append(cur) if cur else None
+    texts = [tok.decode(x) for x in spans]
+    assert texts == ['<tool_call>{"name": "echo", "arguments": {"text": "apple"}}</tool_call><|im_end|>',
+                     "I said apple.<|im_end|>"]
+    # untrained: system + tools prompt, user, role headers, the tool result, the bridges
+    untrained = tok.decode([tid for tid, m in zip(s.token_ids, s.loss_mask) if not m])
+    assert "Repeat the word apple." in untrained and "<tools>" in untrained and "<|im_start|>tool\napple" in untrained
+    assert "I said" not in untrained and "\"text\": \"apple\"" not in untrained
+    # the first prompt is exactly the tokens the gateway would serve the first call with
+    msgs = normalize_messages(t["messages"])
+    prompt = r.encode(r.render(msgs[:2], t["tools"], add_generation_prompt=True))
+    assert s.token_ids[: len(prompt)] == prompt and not any(s.loss_mask[: len(prompt)])
+    assert s.loss_mask[len(prompt)] == 1
+    # and the whole sample is the full rendering, cut after the last end-of-turn token
+    full = r.render(msgs, t["tools"], add_generation_prompt=False)
+    assert s.token_ids == r.encode(full[: full.rindex("<|im_end|>") + len("<|im_end|>")])
+
+
+def test_a_transcript_without_an_assistant_turn_is_refused_with_its_row(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cfg = _cfg(tmp_path, f"train.sft.files=[{f}]")
+    with pytest.raises(TranscriptError, match=r"bad.jsonl:1: .*no assistant message"):
+        sft(cfg)
+    f.write_text("{not json\n")
+    with pytest.raises(TranscriptError, match="bad.jsonl:1"):
+        read_transcripts([f])
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_sft_raises_the_log_likelihood_of_held_out_demos(tmp_path, lora):
+    f = tmp_path / "demos.jsonl"
+    f.write_text("".join(json.dumps(transcript(w)) + "\n" for w in WORDS))
+    cfg = _cfg(tmp_path, f"train.sft.files=[{f}]", "train.sft.epochs=3", "train.sft.batch_transcripts=4",
+               "train.sft.heldout_fraction=0.25", "train.lr=3e-3", f"train.lora_rank={lora}", "train.packing=tree")
+    summary = sft(cfg)
+    assert summary["sft_heldout_transcripts"] == 6 and summary["sft_transcripts"] == 18
+    assert summary["sft_heldout_nll_after"] < summary["sft_heldout_nll_before"] - 0.5, summary
+    run = tmp_path / "sft"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if x["kind"] == "step"]
+    assert len(steps) == summary["steps"] == 15 and steps[-1]["loss/total"] < steps[0]["loss/total"]
+    # tree packing: the transcripts share their system + tools prefix, computed once per micro-batch
+    assert all(x["train/packed_tokens"] < x["train/flat_tokens"] for x in steps)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "checkpoint")  # a Hugging Face model directory (LoRA merged)
+    assert model.config.num_hidden_layers == 2
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file() and (run / "curves.png").is_file()
