@@ -286,7 +286,7 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
             console.print(f"evaluating the trained policy on {plural(r.eval_tasks, 'held-out task')} ...")
             await _evaluate(ctl, metrics, done, "after", summary, console)
             if "eval_success_before" in summary:
-                summary["eval_success_gain"] = round(ev["eval_success"] - summary["eval_success_before"], 4)
+                summary["eval_success_gain"] = round(summary["eval_success_after"] - summary["eval_success_before"], 4)
     finally:
         stop.uninstall()
         await ctl.close()
