@@ -15,6 +15,17 @@ from helpers.tiny_run import tiny_cfg
 from arborl.job import train
 from arborl.report.loggers import LoggerUnavailableError, RunLoggers, scalars
 
+
+@pytest.fixture(autouse=True)
+def _no_wandb_service_left():
+    """W&B keeps its service process (wandb-core) for the life of the process that used it; it ends here,
+    so the suite leaves no process behind (tests/conftest.py)."""
+    yield
+    import sys
+
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+
 ROWS = [
     {"kind": "eval", "step": 0, "eval_success": 0.25},
     {"kind": "step", "step": 1, "reward": 0.5, "loss/total": 1.25, "samples": 16, "note": "text", "gap": None},

@@ -1173,7 +1173,10 @@ def _did_you_mean(path: str) -> str:
     keys = known_keys()
     leaf = path.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # the knob exists, in another section
-    # of several (train.lr, train.mtp.lr), the one whose whole path is closest
+    # of several (train.lr, train.mtp.lr, train.sft.lr): those as deep as the key typed, if any, then the one
+    # whose whole path is closest
+    depth = path.count(".")
+    same_leaf = [k for k in same_leaf if k.count(".") == depth] or same_leaf
     close = (difflib.get_close_matches(path, same_leaf, n=1, cutoff=0) if same_leaf
              else difflib.get_close_matches(path, keys, n=1, cutoff=0.6))
     return f"did you mean {close[0]}? " if close else ""
