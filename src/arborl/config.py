@@ -641,6 +641,13 @@ class TrainConfig(Section):
             raise ValueError("decoupled PPO clips around the trainer's proximal policy: set train.old_logprobs=trainer")
         return self
 
+    @model_validator(mode="after")
+    def _sft_in_one_process(self) -> "TrainConfig":
+        if self.parallel.ranks > 1 and (self.sft.files or self.sft.rejection.rounds):
+            raise ValueError("train.sft's warm start runs in one process: run `arborl sft` first, or set "
+                             "train.parallel.ranks=1 for a job with train.sft")
+        return self
+
 
 class DataConfig(Section):
     """The `dataset` task suite: prompts from JSONL / Parquet files, scored by your reward function."""

@@ -169,8 +169,11 @@ class Controller:
         return task, f"step{draw}"
 
     def _fill(self) -> None:
+        admit = getattr(self.policy, "admit", None)  # a difficulty-aware policy may skip a drawn task
         while self.policy.can_start():
             task, tag = self._next_task()
+            if admit is not None and not admit(task.task_id):
+                continue
             gid = f"{tag}:{task.task_id}"
             self.policy.on_start(gid)
             self._running[gid] = asyncio.create_task(self._group(gid, task, tag))
@@ -185,6 +188,9 @@ class Controller:
             self.policy.on_fail(gid)
         else:
             versions = [v for v in (e.min_version() for e in episodes) if v is not None]
+            on_rewards = getattr(self.policy, "on_rewards", None)  # per-task difficulty estimates (dynamic)
+            if on_rewards is not None:
+                on_rewards(gid, task.task_id, [e.reward or 0.0 for e in episodes if not e.meta.get("infra_error")])
             self._finished[gid] = episodes
             self.policy.on_finish(gid, min(versions) if versions else None)
         finally:
@@ -215,6 +221,7 @@ class Controller:
             b = self.policy.take_batch()
             if b is not None:
                 return b
+            self._fill()  # forming the batch may have dropped finished groups (dynamic): start their replacements
             if not self._running:
                 raise ArborlError(f"consumption policy {self.policy.name} waits for a batch but no group is in "
                                   f"flight: {self.policy.stats()}")
@@ -300,6 +307,8 @@ class Controller:
             "sched/cancelled_groups": st["cancelled"],
             "sched/in_flight_groups": len(self._running),
             "sched/masked_tokens": masked,
+            **{f"sched/{k}": st[k] for k in ("all_equal_groups", "overdrawn_groups", "skipped_tasks", "short_batches")
+               if k in st},
             "rollout/infra_failures": self.infra_failures,
             **({f"rollout/{k}": v for k, v in self.workers.stats().items()} if self.workers else {}),
             **{f"dispatch/{k}": v for k, v in self.engines.dispatch_stats().items()},

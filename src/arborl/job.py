@@ -48,7 +48,8 @@ from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_
 from arborl.rundir import RunDir, resume_command
 from arborl.stopping import RunStopped, StopRequest
 from arborl.tasks import ConfiguredSuite, make_suite
-from arborl.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from arborl.train.checkpoint import load_model_weights
+from arborl.train.ranks import close_trainer, load_trainer, make_trainer, save_trainer
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
 
@@ -110,10 +111,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     t_start = time.perf_counter()
     loaded = load_model(cfg.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
-    trainer = Trainer(loaded.model, cfg.train, temperature=r.temperature)
+    trainer = make_trainer(loaded.model, cfg.train, temperature=r.temperature)  # one process or train.parallel's ranks
     start_step, version, summary_prev = 0, 0, {}
     if resume:
-        extra = load_checkpoint(run.checkpoint, trainer)
+        extra = load_trainer(run.checkpoint, trainer)
         start_step, summary_prev = extra["step"], extra.get("summary", {})
         version = extra.get("version", start_step)
         serving.load_state_dict(trainer.engine_state())
@@ -147,7 +148,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
 
             async def save(done: int, summary: dict[str, Any]) -> None:
                 extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
-                await asyncio.to_thread(save_checkpoint, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
+                await asyncio.to_thread(save_trainer, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
 
             async def sft_warm_start(summary: dict[str, Any]) -> None:
                 from arborl.sft import warm_start
@@ -161,6 +162,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                     warm=warm))
             finally:
                 launched.close()
+                close_trainer(trainer)
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
     if stopped:
         summary["stopped"] = stopped

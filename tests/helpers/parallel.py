@@ -46,3 +46,22 @@ def alive(pids: list[int]) -> list[int]:
         except FileNotFoundError:
             pass
     return out
+
+
+def rank_children() -> list[int]:
+    """Processes of this test process running ``arborl.train.ranks`` (any descendant generation)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"arborl.train.ranks" in cmd and alive([int(entry)]):
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+            if f"ARBORL_TEST_OWNER={os.getpid()}".encode() in env:
+                found.append(int(entry))
+    return found

@@ -19,12 +19,14 @@ from pathlib import Path
 _ended = 0
 
 
-def install(directory: Path, signal: str, at: int, *, not_pid: int | None = None) -> str:
-    """``not_pid``: a process the signal must never hit (the test's own); the episode fails instead."""
+def install(directory: Path, signal: str, at: int, *, not_pid: int | None = None, target: str = "self") -> str:
+    """``not_pid``: a process the signal must never hit (the test's own); the episode fails instead.
+    ``target="rank"``: the signal goes to the last trainer rank process (train.parallel) this process
+    started, not to this process."""
     directory.mkdir(parents=True, exist_ok=True)
     agent = directory / "signal_agent.py"
     shutil.copy(__file__, agent)
-    agent.with_suffix(".json").write_text(json.dumps({"signal": signal, "at": at, "not_pid": not_pid}))
+    agent.with_suffix(".json").write_text(json.dumps({"signal": signal, "at": at, "not_pid": not_pid, "target": target}))
     return f"rollout.agent={agent}:signal_at"
 
 
@@ -50,7 +52,28 @@ def signal_at(suite, sampling):
             except FileExistsError:
                 return outcome
             os.close(fd)
-            os.kill(os.getpid(), getattr(_signal, "SIG" + settings["signal"]))
+            pid = _last_rank() if settings.get("target") == "rank" else os.getpid()
+            os.kill(pid, getattr(_signal, "SIG" + settings["signal"]))
         return outcome
 
     return agent
+
+
+def _last_rank() -> int:
+    """The highest-numbered ``arborl.train.ranks`` child of this process."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"arborl.train.ranks" in cmd:
+            rank = [e for e in env.split(b"\0") if e.startswith(b"RANK=")]
+            ranks[int(rank[0][5:])] = int(entry)
+    if not ranks:
+        raise RuntimeError("signal_agent: no trainer rank process to signal")
+    return ranks[max(ranks)]

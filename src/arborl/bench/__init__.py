@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "specdec": "arborl.bench.specdec_bench:run",
     "credit": "arborl.bench.credit_bench:run",
     "cluster": "arborl.bench.cluster_bench:run",
+    "parallel": "arborl.bench.parallel_bench:run",
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from arborl.cluster.session import ClusterError, ray_module, remove_orphans, start, stop
 from arborl.config import Config
+from arborl.train.ranks import RankError
 from arborl.types import ArborlError
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,16 @@ class Supervisor:
                         f"{c.placement_timeout_s:g} s; the cluster has {ray.available_resources()} free") from None
                 try:
                     return self._wait(self.actor.train.remote(self.train_fn, cfg_json, resume, overwrite))
-                except ray.exceptions.RayTaskError as e:  # the run's own error (IdleRunError, ...): as raised there
-                    if isinstance(e.cause, ArborlError):
-                        raise e.cause from None
-                    raise
-                except ray.exceptions.RayActorError as e:
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                    # the run's own error (IdleRunError, ...): as raised there; a trainer rank that died
+                    # (train.parallel, RankError: the ranks are gone) is the trainer's death
+                    rank_died = isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, RankError)
+                    if isinstance(e, ray.exceptions.RayTaskError) and not rank_died:
+                        if isinstance(e.cause, ArborlError):
+                            raise e.cause from None
+                        raise
+                    if rank_died:
+                        ray.kill(self.actor, no_restart=True)
                     if self.signum is not None:
                         raise ClusterError(f"the trainer actor died while stopping on {signal.Signals(self.signum).name} "
                                            f"({e}); resume from the last checkpoint") from e

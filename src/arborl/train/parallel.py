@@ -97,6 +97,9 @@ def check_supported(cfg: TrainConfig) -> None:
         raise InvalidRequestError(
             "train.parallel.strategy ddp/fsdp2 trains the full model: set train.lora_rank=0 (or parallel.strategy=none)"
         )
+    if cfg.mtp.enabled:
+        raise InvalidRequestError("train.mtp.enabled trains the MTP head in one process: set train.mtp.enabled=false "
+                                  "with train.parallel")
     if cfg.loss.aggregation == "constant" and cfg.loss.constant_normalizer is None:
         raise InvalidRequestError(
             "train.loss.aggregation=constant on several ranks needs train.loss.constant_normalizer (the default, the "

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
@@ -36,6 +37,7 @@ from arborl.types import ArborlError, Sample
 
 CONTROL_ENV = "ARBORL_RANK_CONTROL"  # host:port of the driver's listener
 AUTHKEY_ENV = "ARBORL_RANK_AUTHKEY"  # hex
+PARENT_ENV = "ARBORL_RANK_PARENT"  # pid of the driver
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -91,7 +93,7 @@ class RankGroup:
         try:
             for r in range(self.world):
                 env = {**os.environ, **rank_env(r, self.world, master_port, threads=cfg.parallel.threads_per_rank),
-                       CONTROL_ENV: f"127.0.0.1:{listener.address[1]}", AUTHKEY_ENV: authkey.hex(),
+                       CONTROL_ENV: f"127.0.0.1:{listener.address[1]}", AUTHKEY_ENV: authkey.hex(), PARENT_ENV: str(os.getpid()),
                        "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "arborl.train.ranks"], env=env, start_new_session=True,
@@ -140,7 +142,12 @@ class RankGroup:
         except RankError:
             self.close(force=True)
             raise
-        except BaseException:  # Ctrl-C, a broken pipe: nothing is left running
+        except (OSError, EOFError) as e:  # a rank's connection broke: the rank died (killed, its node lost)
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            self.close(force=True)
+            raise RankError(f"the connection to the trainer ranks broke ({type(e).__name__}: {e}); "
+                            f"rank(s) {dead or '?'} had exited") from e
+        except BaseException:  # Ctrl-C: nothing is left running
             self.close(force=True)
             raise
 
@@ -154,7 +161,7 @@ class RankGroup:
                 r = index[id(c)]
                 try:
                     kind, value = _recv(c)
-                except EOFError:
+                except (EOFError, OSError):
                     raise RankError(f"rank {r} exited (code {self.procs[r].wait(5)})") from None
                 if kind == "error":
                     raise RankError(f"rank {r} failed:\n{value}")
@@ -201,6 +208,11 @@ class RankGroup:
     def __del__(self) -> None:  # pragma: no cover - the last resort of a caller that forgot close()
         if getattr(self, "procs", None):
             self.close(force=True)
+
+    @property
+    def policy(self) -> None:
+        """The policy module lives in the ranks (train.mtp needs a one-process trainer)."""
+        return None
 
     @property
     def pids(self) -> list[int]:
@@ -308,12 +320,28 @@ def _handle(trainer: Any, conn: Connection, cmd: str, args: tuple) -> Any:
     raise ValueError(f"unknown rank command {cmd!r}")
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that started it dies (a killed trainer leaves no rank
+    waiting in a collective)."""
+    parent = os.environ.get(PARENT_ENV)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if parent and os.getppid() != int(parent):  # it died before the prctl
+        os._exit(1)
+
+
 def rank_main() -> None:
     """One rank: join the process group from torchrun's variables, build the trainer, serve commands."""
     import torch.distributed as dist
 
     from arborl.train.parallel import ShardedTrainer, default_backend
 
+    _die_with_parent()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # split outputs, read only
     rank = int(os.environ["RANK"])
     host, port = os.environ[CONTROL_ENV].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
@@ -358,3 +386,40 @@ def rank_main() -> None:
 
 if __name__ == "__main__":
     rank_main()
+
+
+# --------------------------------------------------------------------------- the job's view
+
+
+def make_trainer(model: nn.Module, cfg: TrainConfig, *, temperature: float = 1.0) -> Any:
+    """The run's trainer: one process (``Trainer``), or a :class:`RankGroup` with train.parallel.strategy
+    ddp / fsdp2."""
+    from arborl.train.trainer import Trainer
+
+    if cfg.parallel.strategy == "none":
+        return Trainer(model, cfg, temperature=temperature)
+    return RankGroup(model, cfg, temperature=temperature)
+
+
+def save_trainer(path: str | Path, trainer: Any, extra: dict[str, Any], *, tokenizer: Any = None) -> Path:
+    """A checkpoint of either kind of trainer (sharded for a rank group; both are HF directories)."""
+    if isinstance(trainer, RankGroup):
+        return trainer.save(path, extra, tokenizer=tokenizer)
+    from arborl.train.checkpoint import save_checkpoint
+
+    return save_checkpoint(path, trainer, extra, tokenizer=tokenizer)
+
+
+def load_trainer(path: str | Path, trainer: Any) -> dict[str, Any]:
+    if isinstance(trainer, RankGroup):
+        from arborl.train.checkpoint import existing_checkpoint
+
+        return trainer.load(existing_checkpoint(path))
+    from arborl.train.checkpoint import load_checkpoint
+
+    return load_checkpoint(path, trainer)
+
+
+def close_trainer(trainer: Any) -> None:
+    if isinstance(trainer, RankGroup):
+        trainer.close()

@@ -1,0 +1,141 @@
+"""``arborl bench parallel``: one process vs 2 FSDP2 ranks (gloo, 1 thread each) on SmolLM2-135M.
+
+Same batch, same start weights, 3 optimiser steps each:
+
+* ``loss_max_rel_diff``, ``grad_max_rel_diff`` (per tensor: max |g2 - g1| / max |g1|, the worst tensor and
+  step), ``param_max_rel_diff`` after the 3 steps;
+* ``memory_per_rank_ratio``: bytes of parameters + gradients + optimiser state an FSDP2 rank holds
+  (its local shards, counted from the tensors) / the one process's;
+* ``step_time_ratio``: median step time of the 2 ranks (1 thread each) / the one process (2 threads),
+  steps after the first;
+* ``sync_stream_s`` / ``sync_gather_s``: the whole policy out of the shards to this process, one layer
+  at a time / gathered at once on rank 0, and ``sync_stream_peak_ratio``: the largest chunk rank 0
+  held / the model's bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from arborl.config import ModelConfig, TrainConfig
+from arborl.types import Sample
+
+STEPS = 3
+
+
+def smollm2() -> torch.nn.Module:
+    """SmolLM2-135M-Instruct in float32 (module-level: each rank builds it itself)."""
+    from arborl.models import load_model
+
+    return load_model(ModelConfig(source="smollm2")).model.float()
+
+
+def workload(vocab: int, groups: int, size: int, prompt: int, response: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        head = [rng.randrange(vocab) for _ in range(prompt)]
+        for k in range(size):
+            n = rng.randint(response // 2, response)
+            toks = head + [rng.randrange(vocab) for _ in range(n)]
+            mask = [0] * prompt + [1] * n
+            adv = rng.gauss(0, 1)
+            out.append(Sample(
+                episode_id=f"e{g}-{k}", group_id=f"g{g}", token_ids=toks, loss_mask=mask,
+                rollout_logprobs=[-rng.uniform(1, 4) if m else 0.0 for m in mask], versions=[0] * len(toks),
+                chunk_ids=[0] * len(toks), advantages=[adv if m else 0.0 for m in mask], reward=adv,
+            ))
+    return out
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
+
+
+def run(quick: bool, console: Console) -> dict:
+    from arborl.train.parallel import full_grads, full_params, single_state_bytes
+    from arborl.train.ranks import RankGroup
+    from arborl.train.trainer import Trainer
+
+    groups, size, prompt, response = (4, 4, 48, 24) if quick else (8, 4, 96, 48)
+    base = dict(lr=1e-5, packing="tree", micro_batch_tokens=4096, grad_clip=1.0)
+    model = smollm2()
+    samples = workload(model.config.vocab_size, groups, size, prompt, response)
+    console.print(f"[bold]parallel[/bold]: SmolLM2-135M float32, {len(samples)} samples in {groups} groups, "
+                  f"{STEPS} steps; 1 process x 2 threads vs 2 FSDP2 ranks x 1 thread (gloo)")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        single = Trainer(model, TrainConfig(**base))
+        ref_metrics, ref_grads = [], []
+        for _ in range(STEPS):
+            ref_metrics.append(single.train_step(samples))
+            ref_grads.append(full_grads(single))
+            console.print(f"  1 process  step {len(ref_metrics)}: {ref_metrics[-1]['train/step_s']:.2f} s")
+        ref_params = full_params(single)
+        ref_bytes = single_state_bytes(single)["total"]
+    finally:
+        torch.set_num_threads(threads)
+    del single, model
+
+    cfg = TrainConfig(**base, parallel={"ranks": 2, "strategy": "fsdp2", "threads_per_rank": 1})
+    metrics, grad_diff = [], 0.0
+    with RankGroup(smollm2, cfg) as group:
+        for step in range(STEPS):
+            metrics.append(group.train_step(samples))
+            grads = group.run(full_grads)[0]
+            grad_diff = max(grad_diff, _rel(grads, ref_grads[step]))
+            del grads
+            console.print(f"  2 ranks    step {step + 1}: {metrics[-1]['train/step_s']:.2f} s")
+        param_diff = _rel(group.run(full_params)[0], ref_params)
+        rank_bytes = [b["total"] for b in group.state_bytes()]
+        t0 = time.perf_counter()
+        state: dict[str, torch.Tensor] = {}
+        peak = group.stream_state(state.update)
+        stream_s = time.perf_counter() - t0
+        model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        del state
+        t0 = time.perf_counter()
+        gathered = group.gather_state()
+        gather_s = time.perf_counter() - t0
+        del gathered
+
+    loss_diff = max(abs(m["loss/total"] - r["loss/total"]) / max(abs(r["loss/total"]), 1e-12)
+                    for m, r in zip(metrics, ref_metrics))
+    one = statistics.median(m["train/step_s"] for m in ref_metrics[1:])
+    two = statistics.median(m["train/step_s"] for m in metrics[1:])
+    out = {
+        "benchmark": "parallel", "quick": quick, "model": "SmolLM2-135M-Instruct", "ranks": 2, "strategy": "fsdp2",
+        "steps": STEPS, "samples": len(samples),
+        "loss_max_rel_diff": loss_diff,
+        "grad_max_rel_diff": grad_diff,
+        "param_max_rel_diff": param_diff,
+        "grad_norm_rel_diff": max(abs(m["train/grad_norm"] - r["train/grad_norm"]) / r["train/grad_norm"]
+                                  for m, r in zip(metrics, ref_metrics)),
+        "memory_single_mb": round(ref_bytes / 2**20, 1),
+        "memory_per_rank_mb": [round(b / 2**20, 1) for b in rank_bytes],
+        "memory_per_rank_ratio": round(max(rank_bytes) / ref_bytes, 4),
+        "step_s_single": round(one, 3),
+        "step_s_ranks": round(two, 3),
+        "step_time_ratio": round(two / one, 3),
+        "sync_stream_s": round(stream_s, 3),
+        "sync_gather_s": round(gather_s, 3),
+        "sync_stream_peak_ratio": round(peak / model_bytes, 4),
+        "episodes_lost": None,  # the killed-rank run is not part of this bench yet (docs/cluster.md)
+    }
+    table = Table(title="1 process vs 2 FSDP2 ranks (SmolLM2-135M, gloo, CPU)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key in ("loss_max_rel_diff", "grad_max_rel_diff", "param_max_rel_diff", "memory_per_rank_ratio",
+                "step_time_ratio", "sync_stream_s", "sync_gather_s", "sync_stream_peak_ratio"):
+        value = out[key]
+        table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    return out
