@@ -85,6 +85,12 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("bf16_rollout_tokens_per_s_ratio", "bf16 vs fp32 tokens/s", "x", "credit assignment"),
         _f("int8_rollout_tokens_per_s_ratio", "int8 vs fp32 tokens/s", "x", "credit assignment"),
     ],
+    "parallel": [
+        _f("grad_max_rel_diff", "2 ranks vs 1: gradient max rel. diff", "frac", "sharded training"),
+        _f("memory_per_rank_ratio", "fsdp2 memory per rank / 1 process", "x", "sharded training"),
+        _f("step_time_ratio", "step time 2 ranks / 1 process", "x", "sharded training"),
+        _f("sync_stream_peak_ratio", "streamed weight sync peak / gathered", "x", "sharded training"),
+    ],
     "cluster": [
         _f("faults_injected", "faults injected", "count", "Ray"),
         _f("episodes_lost", "episodes lost", "count", "Ray"),
