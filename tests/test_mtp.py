@@ -15,9 +15,11 @@ from helpers.tiny_run import tiny_cfg
 
 from arborl.config import Config, EngineConfig, MTPTrainConfig, SpecConfig
 from arborl.engine import LLMEngine
-from arborl.engine.spec.mtp import MTPHead, head_state, save_head
+from arborl.engine.backends import builtin
+from arborl.engine.spec.mtp import MTPHead, head_state, load_head, save_head
+from arborl.export import export_run
 from arborl.job import train
-from arborl.models import tiny_llama
+from arborl.models import load_model, tiny_llama
 from arborl.train.mtp import MTPTrainer, generated_runs, make_mtp_trainer, mtp_loss
 from arborl.types import (
     ArborlError,
@@ -221,3 +223,53 @@ def test_a_run_trains_and_publishes_the_head(tmp_path):
     steps = [r for r in rows if r["kind"] == "step"]
     assert len(steps) == 2 and all(r["mtp/tokens"] > 0 and r["mtp/loss"] > 0 for r in steps)
     assert steps[-1]["spec/spec_drafts"] > 0 and head.is_file()
+
+
+MTP_RUN = ("rollout.max_tokens=12", "engine.spec.enabled=true", "engine.spec.drafter=mtp", "engine.spec.adaptive=false",
+           "train.mtp.enabled=true")
+
+
+def _mtp_steps(cfg) -> list[dict]:
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "step"]
+
+
+def test_a_resumed_run_continues_the_head_and_an_export_carries_it(tmp_path):
+    """The head and its optimiser are in the checkpoint: a run resumed after step 2 trains steps 3-4
+    exactly as the straight run did (the head's loss and its agreement with the policy, i.e. the
+    greedy acceptance of a first draft token), where a resume without them restarts the head. The
+    head is exported beside the HF files, and engines and the head trainer of a model loaded from
+    the export start from it."""
+    learn = (*MTP_RUN, "train.lr=1e-5", "train.mtp.lr=0.01", "train.mtp.iters=3")  # the policy holds still, the head learns
+    straight = tiny_cfg(tmp_path, "straight", *learn, "rollout.steps=4")
+    train(straight)
+    for name in ("resumed", "restarted"):
+        train(tiny_cfg(tmp_path, name, *learn, "rollout.steps=2"))
+    ckpt = tmp_path / "restarted" / "checkpoint"
+    assert {"mtp.safetensors", "mtp_trainer.pt"} <= {f.name for f in ckpt.iterdir()}
+    for f in ("mtp.safetensors", "mtp_trainer.pt"):  # what a checkpoint without the head would be
+        (ckpt / f).unlink()
+    resumed = tiny_cfg(tmp_path, "resumed", *learn, "rollout.steps=4")
+    restarted = tiny_cfg(tmp_path, "restarted", *learn, "rollout.steps=4")
+    train(resumed, resume=True)
+    train(restarted, resume=True)
+    a, b, c = _mtp_steps(straight), _mtp_steps(resumed), _mtp_steps(restarted)
+    for other in (b, c):  # the same rollouts (episodes may finish in another order: the mean's last bit)
+        assert [r["reward"] for r in other] == pytest.approx([r["reward"] for r in a], rel=1e-12)
+    for key in ("mtp/loss", "mtp/top1_agreement"):
+        # step 3 holds the resumed head's weights, step 4 its optimiser's moments too (without them: 1% off)
+        assert [r[key] for r in b[2:]] == pytest.approx([r[key] for r in a[2:]], rel=1e-5), key
+    assert c[2]["mtp/loss"] > a[2]["mtp/loss"] * 1.05  # a new head: its loss starts over
+
+    out = export_run(straight.run_dir, tmp_path / "export")
+    assert (out / "mtp.safetensors").is_file() and not (out / "mtp_trainer.pt").exists()
+    served = tiny_cfg(tmp_path, "served", *MTP_RUN, "model.source=hf", f"model.path={out}")
+    loaded = load_model(served.model)
+    trained = MTPHead(loaded.model)
+    load_head(trained, out)
+    engine_head = builtin(served, loaded).engine.spec.drafter.head  # what `arborl serve` builds
+    head_trainer = make_mtp_trainer(served, loaded.model).head  # what `arborl train` starts from
+    fresh = MTPHead(loaded.model)
+    for head in (engine_head, head_trainer):
+        assert all(torch.equal(x, y) for x, y in zip(head_state(head).values(), head_state(trained).values()))
+    assert not all(torch.equal(x, y) for x, y in zip(head_state(fresh).values(), head_state(trained).values()))

@@ -94,7 +94,8 @@ class SpecConfig(Section):
     max_groups: int = Field(256, ge=1, description="suffix drafter: group token stores kept per process (least recent dropped)")
     draft_layers: int = Field(2, ge=1, description="draft_model drafter: decoder layers kept from the policy")
     mtp_path: str | None = Field(
-        None, description="mtp drafter: file of head weights to start from (train.mtp saves one; None = the "
+        None, description="mtp drafter: head weights to start from, a file or a directory holding mtp.safetensors "
+        "(train.mtp saves one; None = model.path's mtp.safetensors when an export/checkpoint holds one, else the "
         "deterministic init from the policy's last layer); published heads replace it"
     )
 

@@ -48,7 +48,8 @@ from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_
 from arborl.rundir import RunDir, resume_command
 from arborl.stopping import RunStopped, StopRequest
 from arborl.tasks import ConfiguredSuite, make_suite
-from arborl.train.checkpoint import load_model_weights
+from arborl.train.checkpoint import existing_checkpoint, load_model_weights
+from arborl.train.mtp import resumed_config
 from arborl.train.ranks import close_trainer, load_trainer, make_trainer, save_trainer
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
@@ -141,14 +142,19 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                 if start_step >= r.steps:
                     _say(console, f"the run has done its {plural(r.steps, 'step')}; to train further: --set rollout.steps=N")
 
-            launched, ctl = _controller(cfg, suite, trainer, serving, loaded, run.path, version, start_step)
+            # a resumed run's mtp drafter and head trainer continue the checkpoint's head (train/mtp.py)
+            ctl_cfg = resumed_config(cfg, existing_checkpoint(run.checkpoint)) if resume else cfg
+            launched, ctl = _controller(ctl_cfg, suite, trainer, serving, loaded, run.path, version, start_step)
+            if ctl.mtp is not None and ctl_cfg is not cfg:
+                ctl.mtp.load(existing_checkpoint(run.checkpoint))  # and its optimiser
             stop = StopRequest()
             if supervised():
                 serve_stop(stop)  # in the trainer actor: the driver passes its Ctrl-C on (cluster/supervise.py)
 
             async def save(done: int, summary: dict[str, Any]) -> None:
                 extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
-                await asyncio.to_thread(save_trainer, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer)
+                await asyncio.to_thread(save_trainer, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer,
+                                        also=ctl.mtp.save if ctl.mtp is not None else None)
 
             async def sft_warm_start(summary: dict[str, Any]) -> None:
                 from arborl.sft import warm_start
@@ -316,6 +322,7 @@ def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | N
     model = loaded.model
     if checkpoint is not None:
         load_policy_weights(checkpoint, model, cfg)
+        cfg = resumed_config(cfg, Path(checkpoint))  # its mtp head drafts, when it holds one
     run_dir = cfg.run_dir / "eval"
     launched, ctl = _controller(cfg, suite, None, model, loaded, run_dir)
     try:

@@ -14,20 +14,22 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import safetensors.torch
 import torch
 
 from arborl.models.hf_dir import WEIGHTS_FILE, save_hf_dir
+from arborl.train.mtp import STATE_FILE as MTP_STATE_FILE
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
 
 LORA_FILE = "lora.safetensors"
 REF_FILE = "ref.safetensors"
 STATE_FILE = "trainer.pt"
-TRAINER_FILES = (STATE_FILE, REF_FILE, LORA_FILE)  # the rest of a checkpoint is the HF directory
+# the rest of a checkpoint is the HF directory (and the MTP head beside it, train/mtp.py)
+TRAINER_FILES = (STATE_FILE, REF_FILE, LORA_FILE, MTP_STATE_FILE)
 
 
 class CheckpointError(ArborlError):
@@ -56,8 +58,9 @@ def plain_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: str | Path, trainer: Trainer, extra: dict[str, Any] | None = None, *,
-                    tokenizer: Any = None) -> Path:
-    """Write the checkpoint (an HF directory with ``tokenizer``'s files, plus the trainer's state)."""
+                    tokenizer: Any = None, also: Callable[[Path], None] | None = None) -> Path:
+    """Write the checkpoint (an HF directory with ``tokenizer``'s files, plus the trainer's state);
+    ``also(directory)`` writes more into it before it is renamed into place (the MTP head's trainer)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
@@ -73,6 +76,8 @@ def save_checkpoint(path: str | Path, trainer: Trainer, extra: dict[str, Any] | 
         {"optimizer": trainer.optimizer.state_dict(), "step": trainer.step, "extra": extra or {}, "rng": rng_state()},
         tmp / STATE_FILE,
     )
+    if also is not None:
+        also(tmp)
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     if path.exists():
         path.rename(old)

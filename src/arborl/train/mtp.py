@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborl.config import Config, MTPTrainConfig
-from arborl.engine.spec.mtp import MTPHead, head_state, load_head, save_head
+from arborl.engine.spec.mtp import MTP_FILE, MTPHead, head_state, load_head, mtp_init_path, save_head
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
 from arborl.types import ArborlError, Sample
+
+STATE_FILE = "mtp_trainer.pt"  # the head's optimiser in a checkpoint (trainer state, not exported)
 
 
 def mtp_loss(policy_logits: torch.Tensor, head_logits: torch.Tensor, next_tokens: torch.Tensor, kind: str, top_k: int) -> torch.Tensor:
@@ -149,6 +151,22 @@ class MTPTrainer:
         """The head's tensors to publish with the policy weights (``mtp.*``)."""
         return head_state(self.head)
 
+    # -- in a checkpoint ------------------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        """The head (``MTP_FILE``, beside the policy's HF files: exported with them) and its optimiser
+        (``STATE_FILE``, trainer state: not exported) into a checkpoint directory being written."""
+        save_head(self.head, directory / MTP_FILE)
+        torch.save({"optimizer": self.opt.state_dict(), "steps": self.steps}, directory / STATE_FILE)
+
+    def load(self, directory: Path) -> None:
+        """The head and its optimiser from a checkpoint ``save`` wrote (the optimiser starts afresh when
+        the directory holds only the head, e.g. an export)."""
+        load_head(self.head, directory)
+        if (directory / STATE_FILE).is_file():
+            state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+            self.opt.load_state_dict(state["optimizer"])
+            self.steps = state["steps"]
+
 
 def make_mtp_trainer(cfg: Config, policy: nn.Module) -> MTPTrainer | None:
     """The run's head trainer when ``train.mtp.enabled`` (None otherwise); it trains the ``mtp`` drafter's
@@ -159,4 +177,14 @@ def make_mtp_trainer(cfg: Config, policy: nn.Module) -> MTPTrainer | None:
     if not spec.enabled or spec.drafter != "mtp" or cfg.engine.backend != "builtin":
         raise ArborlError("train.mtp.enabled trains the built-in engine's mtp drafter: set engine.spec.enabled=true "
                           "engine.spec.drafter=mtp (engine.backend=builtin), or train.mtp.enabled=false")
-    return MTPTrainer(policy, cfg.train.mtp, init_path=spec.mtp_path)
+    return MTPTrainer(policy, cfg.train.mtp, init_path=mtp_init_path(cfg))
+
+
+def resumed_config(cfg: Config, checkpoint: Path) -> Config:
+    """``cfg`` with the mtp drafter starting from ``checkpoint``'s head when it holds one (the engines
+    and the head trainer of a resumed run continue the head trained so far); else ``cfg``."""
+    spec = cfg.engine.spec
+    if not (spec.enabled and spec.drafter == "mtp" and (checkpoint / MTP_FILE).is_file()):
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(
+        update={"spec": spec.model_copy(update={"mtp_path": str(checkpoint / MTP_FILE)})})})

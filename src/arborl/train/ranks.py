@@ -401,13 +401,18 @@ def make_trainer(model: nn.Module, cfg: TrainConfig, *, temperature: float = 1.0
     return RankGroup(model, cfg, temperature=temperature)
 
 
-def save_trainer(path: str | Path, trainer: Any, extra: dict[str, Any], *, tokenizer: Any = None) -> Path:
-    """A checkpoint of either kind of trainer (sharded for a rank group; both are HF directories)."""
+def save_trainer(path: str | Path, trainer: Any, extra: dict[str, Any], *, tokenizer: Any = None,
+                 also: Callable[[Path], None] | None = None) -> Path:
+    """A checkpoint of either kind of trainer (sharded for a rank group; both are HF directories);
+    ``also(directory)`` writes more into it (the MTP head's trainer, train/mtp.py)."""
     if isinstance(trainer, RankGroup):
-        return trainer.save(path, extra, tokenizer=tokenizer)
+        out = trainer.save(path, extra, tokenizer=tokenizer)
+        if also is not None:
+            also(out)
+        return out
     from arborl.train.checkpoint import save_checkpoint
 
-    return save_checkpoint(path, trainer, extra, tokenizer=tokenizer)
+    return save_checkpoint(path, trainer, extra, tokenizer=tokenizer, also=also)
 
 
 def load_trainer(path: str | Path, trainer: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from arborl.engine.async_engine import AsyncEngine
 from arborl.engine.backends.base import BackendError, ServerUnavailableError
 from arborl.engine.engine import LLMEngine
 from arborl.engine.face import EngineFace
+from arborl.engine.spec.mtp import mtp_init_path
 from arborl.models.quantize import to_serving_dtype
 from arborl.registry import Registry
 
@@ -35,6 +36,8 @@ def builtin(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: in
     model = loaded.model if index == 0 else copy.deepcopy(loaded.model)
     model = to_serving_dtype(model, cfg.engine.weights_dtype)  # low-precision rollout (I5); trainer's stays
     ecfg = cfg.engine.model_copy(update={"engine_id": engine_id(cfg, index)})
+    if ecfg.spec.enabled and ecfg.spec.drafter == "mtp":  # the head beside an HF policy directory, if any
+        ecfg.spec = ecfg.spec.model_copy(update={"mtp_path": mtp_init_path(cfg)})
     eng = LLMEngine(model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + index,
                     version=version)
     return AsyncEngine(eng)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,11 @@ from arborl.engine.spec.drafter import DRAFTERS, EngineView
 from arborl.models.forward import lm_logits
 from arborl.types import ArborlError
 
+if TYPE_CHECKING:
+    from arborl.config import Config
+
 PREFIX = "mtp."  # the head's tensors in a published weights dict: mtp.<name in MTPHead.state_dict()>
+MTP_FILE = "mtp.safetensors"  # the head in a checkpoint / export directory, beside the policy's HF files
 MAX_DRAFT = 32  # engine.spec.num_tokens' upper bound: KV room for draft positions past max_seq_len
 
 
@@ -120,16 +126,39 @@ def load_head_state(head: MTPHead, state: dict[str, torch.Tensor]) -> None:
 
 
 def save_head(head: MTPHead, path: str | Path) -> None:
+    """The head's ``mtp.*`` tensors to ``path``: safetensors when it ends in .safetensors, else torch.save."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(head_state(head), path)
+    if path.suffix == ".safetensors":
+        safetensors.torch.save_file({k: v.contiguous() for k, v in head_state(head).items()}, str(path))
+    else:
+        torch.save(head_state(head), path)
 
 
 def load_head(head: MTPHead, path: str | Path) -> None:
+    """Head weights from ``path``: a file ``save_head`` wrote, or a directory holding ``MTP_FILE`` (a
+    checkpoint, an ``arborl export``)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / MTP_FILE
     if not path.is_file():
         raise ArborlError(f"engine.spec.mtp_path: no MTP head weights at {path}")
-    load_head_state(head, torch.load(path, map_location="cpu", weights_only=True))
+    if path.suffix == ".safetensors":
+        state = safetensors.torch.load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    load_head_state(head, {k: v.to(next(head.parameters()).device) for k, v in state.items()})
+
+
+def mtp_init_path(cfg: "Config") -> str | None:
+    """The head the mtp drafter and its trainer start from: ``engine.spec.mtp_path``, else the head
+    beside the policy's Hugging Face directory (``model.path``/``MTP_FILE``, which a checkpoint and
+    ``arborl export`` hold), else None (the deterministic init from the policy's last layer)."""
+    if cfg.engine.spec.mtp_path:
+        return cfg.engine.spec.mtp_path
+    if cfg.model.source == "hf" and cfg.model.path and (Path(cfg.model.path).expanduser() / MTP_FILE).is_file():
+        return str(Path(cfg.model.path).expanduser() / MTP_FILE)
+    return None
 
 
 class _Context:
