@@ -128,6 +128,33 @@ def test_trajectory_view_decodes_recorded_ids_and_masks_generated_tokens(runs, s
     assert r.status_code == 404 and "runs: agentic, trained" in r.json()["detail"]
 
 
+def test_a_real_run_records_trainer_logprobs_for_the_mismatch_view(runs, server):
+    """The tiny run's trainer wrote its per-token log-probs of every trained call into the data pool,
+    keyed by call and step: each step's group carries its step, and each generated token's trainer
+    log-prob is the rollout's sampling log-prob of that token (the same weights, tempered the same: a
+    sync run trains version v on version v's rollouts), so a token off by one would show."""
+    _, trained, _, _ = runs
+    with DataPool(trained / "datapool.sqlite") as pool:
+        episodes = pool.episodes(status="finished")
+        recorded = pool.trainer_logprobs(c.call_id for e in episodes for c in e.calls)
+    steps = {e.group_id.split(":")[0]: {recorded[c.call_id][0] for c in e.calls if c.call_id in recorded}
+             for e in episodes if e.group_id.startswith("step")}
+    assert steps == {"step0": {1}, "step1": {2}}
+    compared = 0
+    for e in episodes:
+        if not e.group_id.startswith("step"):
+            continue
+        v = get(server, "/api/episode", run="trained", id=e.episode_id).json()
+        assert v["has_trainer_logprobs"]
+        for s in v["samples"]:
+            gen = [t for t in s["tokens"] if t["mask"]]
+            assert all(t["tlp"] is not None for t in gen)
+            assert [t["tlp"] for t in gen] == pytest.approx([t["blp"] for t in gen], abs=1e-4)  # off by one: ~2.4
+            assert [t["blp"] for t in gen] == [t["slp"] for t in gen]  # rollout.temperature=0.8: tempered
+            compared += len(gen)
+    assert compared > 100
+
+
 def test_config_shows_knobs_changed_from_defaults(runs, server):
     r = get(server, "/api/config", run="agentic")
     assert "sekrit" not in r.text  # the gateway's admin key is never shown (the dashboard sits beside the gateway)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run
 from test_dashboard_api import Server
 
 from arborl.dashboard import create_app
+from arborl.datapool import DataPool
 
 pytestmark = pytest.mark.slow  # a training run and a browser: about a minute
 
@@ -126,6 +128,24 @@ def test_trajectory_tokens_are_decoded_and_coloured_by_the_loss_mask(site):
     assert page.is_enabled('input[name="mode"][value="mismatch"]')
     page.check('input[name="mode"][value="mismatch"]')
     page.screenshot(path=str(ARTIFACTS / "trajectory-mismatch.png"), full_page=True)
+    page.close()
+
+
+def test_a_real_runs_trajectory_shows_the_trainer_logprobs(site):
+    """The tiny training run recorded its trainer's log-probs (no fake): the mismatch colouring is on
+    for its episodes, every generated token names its trainer log-prob, and they agree with the
+    rollout's (a sync run: white, no mismatch)."""
+    trained = site[2]
+    with DataPool(trained / "datapool.sqlite") as pool:
+        ep = next(e for e in pool.episodes(status="finished", with_calls=False) if e.group_id.startswith("step0:"))
+    page = open_page(site, f"/trajectories?run=trained&group={quote(ep.group_id)}&episode={ep.episode_id}",
+                     "trajectory-trained")
+    assert page.is_enabled('input[name="mode"][value="mismatch"]')
+    page.check('input[name="mode"][value="mismatch"]')
+    shown = page.eval_on_selector_all('.tokens .tok[data-mask="1"]',
+                                      "els => els.map(e => [e.title, getComputedStyle(e).backgroundColor])")
+    assert shown and all("trainer log-prob" in title for title, _ in shown)
+    assert {bg for _, bg in shown} == {"rgb(255, 255, 255)"}
     page.close()
 
 

@@ -499,3 +499,37 @@ def test_crash_during_writes_keeps_every_committed_episode(tmp_path):
         got = pool.get_episode(fresh.episode_id)
         for g, w in zip(got.calls, fresh.calls, strict=True):
             assert_call_equal(g, w)
+
+
+def test_trainer_logprobs_keyed_by_call_and_step(tmp_path):
+    """The trainer's per-token log-probs of a call, float32 beside the immutable call: the latest
+    step's read back; a (call, step) recorded again is replaced; a wrong count or an unknown call is a
+    typed error that writes nothing; a version-1 file gains the table when opened."""
+    path = tmp_path / "pool.sqlite"
+    with DataPool(path) as pool:
+        ep = Episode("t", "g", episode_id="e1")
+        ep.calls = [make_call("e1", n=3, call_id="c1"), make_call("e1", n=2, seed=1, call_id="c2")]
+        pool.put_episode(ep)
+        pool.record_trainer_logprobs(0, {"c1": [-0.1, -0.2, -0.3], "c2": [-1.0, -2.0]})
+        pool.record_trainer_logprobs(4, {"c1": [-0.5, -0.6, -0.7]})
+        got = pool.trainer_logprobs(["c1", "c2", "nope"])
+        assert got["c1"] == (4, pytest.approx([-0.5, -0.6, -0.7], rel=1e-7)) and set(got) == {"c1", "c2"}
+        assert got["c2"][1] == [float(np.float32(x)) for x in (-1.0, -2.0)]
+        pool.record_trainer_logprobs(4, {"c1": [-0.25, -0.5, -0.75]})
+        assert pool.trainer_logprobs(["c1"])["c1"] == (4, [-0.25, -0.5, -0.75])
+        with pytest.raises(InvalidRequestError, match="2 values for its 3 completion tokens"):
+            pool.record_trainer_logprobs(5, {"c2": [-1.0, -1.0], "c1": [-1.0, -1.0]})
+        with pytest.raises(DataPoolNotFoundError, match="call zz"):
+            pool.record_trainer_logprobs(5, {"c2": [-1.0, -1.0], "zz": [-1.0]})
+        assert pool.trainer_logprobs(["c2"])["c2"][0] == 0  # neither failed write left step 5
+        with pytest.raises(InvalidRequestError, match="step"):
+            pool.record_trainer_logprobs(-1, {})
+    old = tmp_path / "v1.sqlite"  # what an arborl before the table wrote
+    DataPool(old).close()
+    conn = sqlite3.connect(old)
+    conn.execute("DROP TABLE trainer_logprobs")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with DataPool(old) as pool:
+        assert pool.setting("user_version") == SCHEMA_VERSION and pool.trainer_logprobs(["c1"]) == {}

@@ -41,9 +41,9 @@ from arborl.seeding import derive_seed
 from arborl.tasks import TaskSuite
 from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, apply_verdict
 from arborl.train.mtp import make_mtp_trainer
-from arborl.train.samples import build_samples
+from arborl.train.samples import build_samples, call_token_values
 from arborl.train.trainer import Trainer
-from arborl.types import ArborlError, Episode, EpisodeStatus, Task
+from arborl.types import ArborlError, Episode, EpisodeStatus, Sample, Task
 from arborl.workers import RemoteAgent, WorkerPool
 
 
@@ -239,6 +239,15 @@ class Controller:
         await self.engines.update_weights(state, self.version)
         return time.perf_counter() - t0
 
+    def _record_trainer_logprobs(self, step: int, samples: list[Sample], episodes: list[Episode]) -> None:
+        """The trainer's per-token log-probs of the step's calls into the data pool, keyed by call and
+        step (1-based, as in metrics.jsonl): the trajectory browser's rollout/trainer mismatch. A trainer
+        without them (train.parallel's ranks) records none."""
+        per_sample = getattr(self.trainer, "step_logprobs", None)
+        if per_sample:
+            self.datapool.record_trainer_logprobs(
+                step + 1, call_token_values(samples, episodes, {i: lp.tolist() for i, lp in per_sample.items()}))
+
     # -- one step ---------------------------------------------------------------------------------
     async def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -254,16 +263,17 @@ class Controller:
             self._finished.pop(gid, None)
         groups = {gid: self._finished.pop(gid) for gid in batch.items}
         episodes = [e for eps in groups.values() for e in eps]
-        samples, stats = build_samples(episodes, cfg.train.advantage)
-        masked = 0
+        built, stats = build_samples(episodes, cfg.train.advantage)
+        samples, masked = built, 0
         if cfg.scheduling.stale_token_mask is not None:
-            out = [mask_stale(x, self.version, cfg.scheduling.stale_token_mask) for x in samples]
+            out = [mask_stale(x, self.version, cfg.scheduling.stale_token_mask) for x in built]
             samples, masked = [x for x, _ in out], sum(n for _, n in out)
         gap = max((self.version - v for v in (e.min_version() for e in episodes) if v is not None), default=0)
         train_metrics: dict[str, float] = {}
         publish_s = 0.0
         if samples:
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
+            await asyncio.to_thread(self._record_trainer_logprobs, step, built, episodes)
             if self.mtp is not None:
                 train_metrics.update(await asyncio.to_thread(self.mtp.train_step, samples))
             publish_s = await self.publish()

@@ -3,7 +3,7 @@ the Seer dispatcher, in 4-token pieces, so its timeline has pieces and probes), 
 written through arborl's own writers (config, MetricsLog, Timeline, DataPool) with what a tiny random
 model never produces: tool calls and results, a stitched second call, an aborted call, a call that
 starts a new sample with a drift event, process rewards, sandbox output, hidden-test results,
-trainer log-probs, and metrics other helpers add (acceptance length, a custom column)."""
+trainer log-probs (of one call), and metrics other helpers add (acceptance length, a custom column)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def agentic_run(runs_dir: Path, name: str = "agentic") -> tuple[Path, dict]:
     n1, n2 = len(c1_out), len(c2_out)
     c1 = Call("ep-agentic-1", p1, c1_out, [-0.1 * (i + 1) for i in range(n1)], [-0.1 * (i + 1) for i in range(n1)],
               [0] * n1, "stop", call_id="call-agentic-1", engine_id="engine-0",
-              meta={"tool_calls": 1, "trainer_logprobs": [-0.1 * (i + 1) - 0.05 for i in range(n1)]})
+              meta={"tool_calls": 1})
+    c1_trainer = [-0.1 * (i + 1) - 0.05 for i in range(n1)]
     c2 = Call("ep-agentic-1", p1 + c1_out + suffix, c2_out, [-2.0] * n2, [-2.0] * n2, [1] * n2, "stop",
               call_id="call-agentic-2", engine_id="engine-1", meta={"tool_calls": 0})
     aborted_out = enc(" partial")
@@ -107,9 +108,10 @@ def agentic_run(runs_dir: Path, name: str = "agentic") -> tuple[Path, dict]:
     with DataPool(run / "datapool.sqlite") as pool:
         pool.put_episode(ep)
         pool.put_episode(other)
+        pool.record_trainer_logprobs(1, {"call-agentic-1": c1_trainer})
     # what the trainer sees, built by hand from the calls (not by train/samples.py): sample 1 is call 1's
     # prompt + completion, call 2's new prompt tokens + completion; call 3 is aborted; sample 2 is call 4
     sample1 = ([(t, 0) for t in p1] + [(t, 1) for t in c1_out] + [(t, 0) for t in suffix] + [(t, 1) for t in c2_out])
     sample2 = [(t, 0) for t in p4] + [(t, 1) for t in c4_out]
     return run, {"episode_id": "ep-agentic-1", "samples": [sample1, sample2], "tokenizer": tok,
-                 "trainer_logprobs": c1.meta["trainer_logprobs"], "c1_logprobs": c1.logprobs}
+                 "trainer_logprobs": c1_trainer, "c1_logprobs": c1.logprobs}

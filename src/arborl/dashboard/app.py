@@ -157,7 +157,8 @@ def create_app(paths: list[str | Path]) -> FastAPI:
             raise HTTPException(404, str(e)) from None
         if ep is None:
             raise HTTPException(404, f"run {run!r} has no episode {id!r}")
-        return _json(episode_view(ep, tokenizer(run)))
+        return _json(episode_view(ep, tokenizer(run), pool.trainer_logprobs(r.datapool_file(), id),
+                                  tempered=r.tempered()))
 
     @app.get("/api/config")
     def _config(run: str) -> Response:

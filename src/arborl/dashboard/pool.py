@@ -100,3 +100,18 @@ def episode(path: Path, episode_id: str) -> Episode | None:
         calls = conn.execute("SELECT * FROM calls WHERE episode_id = ? ORDER BY seq", (episode_id,)).fetchall()
         conn.execute("COMMIT")
     return _episode(row, [_call(c) for c in calls])
+
+
+def trainer_logprobs(path: Path, episode_id: str) -> dict[str, list[float]]:
+    """Call id -> the trainer's log-probs of its generated tokens, of the latest step that recorded
+    them (datapool/store.py ``record_trainer_logprobs``); {} for a data pool from before the table."""
+    with read_only(path) as conn:
+        try:
+            rows = conn.execute(
+                "SELECT t.call_id, t.logprobs FROM trainer_logprobs t JOIN calls c ON c.call_id = t.call_id "
+                "WHERE c.episode_id = ? ORDER BY t.step", (episode_id,)).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return {}
+            raise
+    return {r["call_id"]: codec.decode_f32(r["logprobs"]) for r in rows}

@@ -103,6 +103,14 @@ class Run:
         f = self.path / CHANGES_FILE
         return (yaml.safe_load(f.read_text()) or []) if f.is_file() else []
 
+    def tempered(self) -> bool:
+        """Whether the run's trainer scores tempered log-probs (rollout.temperature != 1): it then
+        compares them with the sampling log-probs, else with the raw ones (train/trainer.py)."""
+        try:
+            return run_config(self.path).rollout.temperature != 1.0
+        except ConfigError:
+            return float((self.config_data().get("rollout") or {}).get("temperature", 1.0)) != 1.0
+
     def datapool_file(self) -> Path:
         try:
             name = run_config(self.path).datapool.filename

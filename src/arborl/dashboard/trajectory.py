@@ -1,8 +1,8 @@
 """One episode as the trajectory browser shows it: the trainer's view of its recorded calls (the samples
 ``train/samples.py`` builds: loss mask 1 exactly on generated tokens), each token decoded on its own
 from the recorded id with the run's tokenizer, with its rollout log-prob, sampling log-prob, policy
-version and, where a trainer log-prob was recorded (``call.meta["trainer_logprobs"]``), the
-rollout/trainer mismatch; plus the calls' details, tool interactions, rewards and episode meta."""
+version and, where the trainer's log-probs of the call were recorded (the data pool's trainer_logprobs,
+written at the step that trained it), the rollout/trainer mismatch; plus the calls' details, tool interactions, rewards and episode meta."""
 
 from __future__ import annotations
 
@@ -50,14 +50,9 @@ def _pieces(tokenizer: Any | None, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _trainer_logprobs(call: Call) -> list[float] | None:
-    t = call.meta.get("trainer_logprobs") if isinstance(call.meta, dict) else None
-    return [float(x) for x in t] if isinstance(t, list) and len(t) == len(call.completion_token_ids) else None
-
-
 def _call_info(index: int, call: Call) -> dict[str, Any]:
     vs = call.versions
-    meta = {k: v for k, v in (call.meta or {}).items() if k != "trainer_logprobs"}
+    meta = dict(call.meta or {})
     return {
         "index": index, "call_id": call.call_id, "engine_id": call.engine_id, "finish_reason": call.finish_reason,
         "prompt_tokens": len(call.prompt_token_ids), "completion_tokens": len(call.completion_token_ids),
@@ -67,10 +62,16 @@ def _call_info(index: int, call: Call) -> dict[str, Any]:
     }
 
 
-def episode_view(episode: Episode, tokenizer: Any | None) -> dict[str, Any]:
-    """The JSON the trajectory page draws (see the module docstring)."""
+def episode_view(episode: Episode, tokenizer: Any | None, trainer_logprobs: dict[str, list[float]] | None = None,
+                 *, tempered: bool = False) -> dict[str, Any]:
+    """The JSON the trajectory page draws (see the module docstring); ``trainer_logprobs``: call id ->
+    the trainer's log-probs of its generated tokens; ``tempered``: the trainer scored softmax(logits / T)
+    and compares with the sampling log-probs (each token's ``blp``: the rollout log-prob the mismatch is
+    against)."""
     kept = kept_calls(episode.calls)
-    trainer = {c.call_id: _trainer_logprobs(c) for c in kept}
+    recorded = trainer_logprobs or {}
+    trainer = {c.call_id: t if (t := recorded.get(c.call_id)) is not None and len(t) == len(c.completion_token_ids)
+               else None for c in kept}
     samples = []
     for s in episode_samples(episode.calls):
         texts = _pieces(tokenizer, s.token_ids)
@@ -86,9 +87,10 @@ def episode_view(episode: Episode, tokenizer: Any | None) -> dict[str, Any]:
                 for i, v in zip(pos, t):
                     tlp[i] = v
         tokens = [{"id": tid, "text": txt, "mask": m, "lp": lp if m else None, "slp": slp if m else None,
-                   "v": v if m else None, "chunk": ch, "tlp": t}
-                  for tid, txt, m, lp, slp, v, ch, t in zip(s.token_ids, texts, s.loss_mask, s.rollout_logprobs,
-                                                            s.sample_logprobs, s.versions, s.chunk_ids, tlp)]
+                   "blp": blp if m else None, "v": v if m else None, "chunk": ch, "tlp": t}
+                  for tid, txt, m, lp, slp, blp, v, ch, t in zip(
+                      s.token_ids, texts, s.loss_mask, s.rollout_logprobs, s.sample_logprobs,
+                      s.behaviour_logprobs(tempered), s.versions, s.chunk_ids, tlp)]
         samples.append({"call_ids": s.call_ids, "tokens": tokens, "drift_events": s.drift_events,
                         "finish_reason": s.finish_reason})
     kept_ids = {c.call_id for c in kept}

@@ -15,6 +15,10 @@ other ``DataPool`` instances) may open the same file: WAL readers see every comm
 Immutability: a recorded call never changes. Writing a call id again with the same content is a
 no-op; with different content it raises :class:`DataPoolConflictError`. Episode rows (status,
 reward, ...) are mutable; their calls are append-only.
+
+Trainer log-probs: the trainer's per-token log-probs of a call's generated tokens, at the step that
+trained it (``record_trainer_logprobs``), float32 blobs keyed by (call, step) beside the immutable
+call; the trajectory browser shows the rollout/trainer mismatch from them.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from arborl.types import ArborlError, Call, Episode, EpisodeStatus, InvalidReque
 if TYPE_CHECKING:
     from arborl.config import DataPoolConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: trainer_logprobs (a version-1 file gains the table when opened)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
@@ -67,6 +71,12 @@ CREATE TABLE IF NOT EXISTS calls (
     latency_s            REAL NOT NULL DEFAULT 0,
     cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
     meta                 TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS trainer_logprobs (
+    call_id  TEXT NOT NULL REFERENCES calls(call_id),
+    step     INTEGER NOT NULL,
+    logprobs BLOB NOT NULL,
+    PRIMARY KEY (call_id, step)
 );
 CREATE INDEX IF NOT EXISTS episodes_status ON episodes(status);
 CREATE INDEX IF NOT EXISTS episodes_group ON episodes(group_id);
@@ -443,6 +453,47 @@ class DataPool:
                 raise DataPoolNotFoundError(f"episode {episode_id} is not in the data pool")
 
         self._write(tx)
+
+    def record_trainer_logprobs(self, step: int, logprobs: dict[str, Sequence[float]]) -> None:
+        """The trainer's log-probs of each call's generated tokens (call id -> one per completion
+        token) at training step ``step``, in one transaction; recording a (call, step) again replaces
+        it. A call id not in the data pool raises DataPoolNotFoundError and writes nothing."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidRequestError(f"step must be an integer >= 0, got {step!r}")
+        rows = [(cid, step, codec.encode_f32(lps, f"trainer log-probs of call {cid}"), len(lps))
+                for cid, lps in logprobs.items()]
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for cid, st, blob, n in rows:
+                row = conn.execute("SELECT completion FROM calls WHERE call_id = ?", (cid,)).fetchone()
+                if row is None:
+                    raise DataPoolNotFoundError(f"call {cid} is not in the data pool: record its trainer "
+                                                "log-probs after the call")
+                want = len(row["completion"]) // codec.I32.itemsize
+                if n != want:
+                    raise InvalidRequestError(f"trainer log-probs of call {cid}: {n} values for its {want} "
+                                              "completion tokens")
+                conn.execute("INSERT OR REPLACE INTO trainer_logprobs (call_id, step, logprobs) VALUES (?, ?, ?)",
+                             (cid, st, blob))
+
+        self._write(tx)
+
+    def trainer_logprobs(self, call_ids: Iterable[str]) -> dict[str, tuple[int, list[float]]]:
+        """call id -> (step, the trainer's log-probs) of the latest step that recorded each call; calls
+        without any are left out."""
+        ids = list(dict.fromkeys(call_ids))
+
+        def rd(conn: sqlite3.Connection) -> dict[str, tuple[int, list[float]]]:
+            out: dict[str, tuple[int, list[float]]] = {}
+            for chunk in _chunks(ids, _IN_CHUNK):
+                for r in conn.execute(
+                    f"SELECT call_id, step, logprobs FROM trainer_logprobs WHERE call_id IN "
+                    f"({', '.join('?' * len(chunk))}) ORDER BY step", list(chunk),
+                ):
+                    out[r["call_id"]] = (int(r["step"]), codec.decode_f32(r["logprobs"]))
+            return out
+
+        return self._read(rd)
 
     @staticmethod
     def _insert_call(conn: sqlite3.Connection, c: _EncodedCall) -> tuple[int, bool]:

@@ -101,6 +101,26 @@ def episode_samples(calls: Iterable[Call], *, include_aborted: bool = False) -> 
     return samples
 
 
+def call_token_values(samples: Sequence[Sample], episodes: Sequence[Episode],
+                      per_sample: dict[int, Sequence[float]]) -> dict[str, list[float]]:
+    """Per call id, the values of its generated tokens from per-next-token values of each sample
+    (``per_sample[i][p - 1]`` scores token p of ``samples[i]``, e.g. the trainer's log-probs): a call's
+    tokens are the mask-1 positions of its chunk, in order (chunk k = the episode's k-th kept call).
+    Calls not every one of whose tokens was scored are left out."""
+    kept = {e.episode_id: kept_calls(e.calls) for e in episodes}
+    out: dict[str, list[float]] = {}
+    for i, s in enumerate(samples):
+        values = per_sample.get(i)
+        calls = kept.get(s.episode_id)
+        if values is None or calls is None:
+            continue
+        for p, (m, ch) in enumerate(zip(s.loss_mask, s.chunk_ids)):
+            if m and 0 < p <= len(values):
+                out.setdefault(calls[ch].call_id, []).append(float(values[p - 1]))
+    lengths = {c.call_id: len(c.completion_token_ids) for calls in kept.values() for c in calls}
+    return {cid: v for cid, v in out.items() if len(v) == lengths[cid]}
+
+
 # ----------------------------------------------------------------------------- a batch of episodes
 
 

@@ -20,6 +20,10 @@ _high), loss/approx_kl (k3 KL(old || new)), ratio mean/min/max/std and train/opt
 
 Sample fields are per token; the log-prob tensors are per next-token prediction, so the trainer
 aligns them by dropping each sample's first token (a prompt token never carries loss).
+
+After a step, ``step_logprobs`` holds each sample's log-probs as the step's first forward of it
+scored them (``prox`` above when there is one: the policy before the step's first update), on the
+CPU; the controller records them per call in the data pool, for the rollout/trainer mismatch view.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class Trainer:
         self.ref_model = self._make_ref(model) if cfg.loss.kl_coef > 0 and cfg.lora_rank == 0 else None
         self.step = 0
         self.device = next(self.model.parameters()).device
+        self.step_logprobs: dict[int, torch.Tensor] = {}  # sample index -> [len - 1], of the last step
 
     def _make_ref(self, model: nn.Module) -> nn.Module:
         """The frozen KL reference: a copy of the start weights."""
@@ -162,6 +167,7 @@ class Trainer:
         for s in samples:
             s.validate()
         t0 = time.perf_counter()
+        self.step_logprobs = {}
         num_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
         if num_tokens == 0:
             return {"train/skipped": 1.0, "train/step": float(self.step)}
@@ -172,6 +178,8 @@ class Trainer:
         # pi_old / pi_prox must be the policy before the FIRST update of the step: with several
         # optimiser steps it takes its own forward now; with one, the step's forward gives it
         proximal = self._logprobs(samples) if several and cfg.old_logprobs == "trainer" else None
+        if proximal is not None:
+            self.step_logprobs = {i: lp.float().cpu() for i, lp in proximal.items()}
         steps: dict[str, list[tuple[float, float]]] = defaultdict(list)
         norms: list[float] = []
         packed_tokens = flat_tokens = 0
@@ -237,6 +245,9 @@ class Trainer:
         want_entropy = cfg.loss.entropy_coef > 0
         out = self._forward(batch, with_entropy=want_entropy)
         lps, ents = out if want_entropy else (out, None)
+        for i, lp in zip(rows, lps):  # the step's first score of each sample (see the module docstring)
+            if i not in self.step_logprobs:
+                self.step_logprobs[i] = lp.detach().float().cpu()
         logp = pad_sequence(lps, batch_first=True)
         entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
         dtype = logp.dtype

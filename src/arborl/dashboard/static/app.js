@@ -176,7 +176,7 @@ function tokenColor(t, mode) {
   }
   if (mode === "mismatch") {
     if (t.tlp === null || t.tlp === undefined) return "rgb(255, 255, 255)";
-    const d = Math.min(1, Math.abs(t.tlp - t.lp));
+    const d = Math.min(1, Math.abs(t.tlp - (t.blp ?? t.lp)));  // against what the trainer compares with
     return `rgb(255, ${Math.round(255 - 200 * d)}, ${Math.round(255 - 255 * d)})`;
   }
   const hue = ((t.v ?? 0) * 67) % 360;
@@ -185,7 +185,7 @@ function tokenColor(t, mode) {
 
 function tokenTitle(t) {
   return `id ${t.id} ${JSON.stringify(t.text)}\nloss mask ${t.mask}, call ${t.chunk}` + (t.mask ?
-    `\nlog-prob ${fmt(t.lp)} (sampling ${fmt(t.slp)}), version ${t.v}` + (t.tlp != null ? `\ntrainer log-prob ${fmt(t.tlp)}` : "") : "");
+    `\nlog-prob ${fmt(t.lp)} (sampling ${fmt(t.slp)}), version ${t.v}` + (t.tlp != null ? `\ntrainer log-prob ${fmt(t.tlp)} (rollout ${fmt(t.blp ?? t.lp)})` : "") : "");
 }
 
 function kv(obj) {
