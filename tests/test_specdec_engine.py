@@ -4,6 +4,7 @@ limits; the KV of rejected draft tokens is rolled back."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -303,3 +304,70 @@ def test_sampled_speculation_emits_the_tokens_plain_sampling_emits_with_the_same
     eng.spec.drafter = ReplayDrafter({r.request_id: [(t + 1) % EOS for t in r.token_ids] for r in plain})
     assert_same(plain, serve(eng, reqs()))
     assert eng.spec.metrics.drafts > 0
+
+
+def test_draft_model_path_drafts_from_a_separate_checkpoint(tmp_path):
+    """engine.spec.draft_model_path: an HF checkpoint of the same vocabulary drafts, and the outputs
+    stay the policy's (greedy tokens and log-probs identical to plain decoding); a weight update leaves
+    the separate drafter's weights and draft KV as they were, still exact. The policy itself saved as
+    the checkpoint has every draft accepted; another random model drafts and is mostly rejected."""
+    model = tiny_llama(layers=3, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=0)
+    plain = serve(make_engine(model, spec=False), requests(greedy(30)))
+    model.save_pretrained(tmp_path / "same")
+    tiny_llama(layers=1, hidden=32, vocab=VOCAB, heads=4, kv_heads=2, seed=5).save_pretrained(tmp_path / "other")
+    eng = make_engine(model, drafter="draft_model", draft_model_path=str(tmp_path / "same"), num_tokens=4)
+    assert_same(plain, serve(eng, requests(greedy(30))))
+    m = eng.spec.metrics
+    assert m.drafts > 0 and m.accepted_tokens == m.draft_tokens
+    assert eng.spec.drafter.model is not model and len(eng.spec.drafter.model.model.layers) == 3
+    eng = make_engine(model, drafter="draft_model", draft_model_path=str(tmp_path / "other"), num_tokens=4)
+    assert_same(plain, serve(eng, requests(greedy(30))))
+    m = eng.spec.metrics
+    assert m.drafts > 0 and m.accepted_tokens < m.draft_tokens
+    # a weight update mid-request: the policy changes, the drafter (the old policy) does not; still exact
+    new = tiny_llama(layers=3, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=1)
+    eng = make_engine(tiny_llama(layers=3, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=0),
+                      drafter="draft_model", draft_model_path=str(tmp_path / "same"), num_tokens=4)
+    seq = eng.add_request(requests(greedy(30), n=1)[0])
+    eng.step()
+    eng.step()
+    before = len(seq.output)
+    eng.update_weights(new.state_dict(), version=1)
+    res = eng.run_until_done()[0]
+    assert res.token_ids[:before] == plain[0].token_ids[:before]
+    cont = serve(make_engine(new, spec=False), [GenerateRequest(res.prompt_token_ids + res.token_ids[:before],
+                                                                greedy(30 - before), request_id="c")])[0]
+    assert res.token_ids[before:] == cont.token_ids
+    assert eng.spec.metrics.accepted_tokens < eng.spec.metrics.draft_tokens  # the drafter kept the old weights
+
+
+def test_draft_model_path_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from arborl.config import ModelConfig
+    from arborl.engine.spec.draft_model import DraftModelError
+    from arborl.models.loading import ensure_smollm2_dir
+
+    model = tiny_llama(layers=1, hidden=32, vocab=VOCAB, heads=4, kv_heads=2)
+    tiny_llama(layers=1, hidden=32, vocab=VOCAB // 2, heads=4, kv_heads=2).save_pretrained(tmp_path / "half")
+    with pytest.raises(DraftModelError, match="vocabulary of 256 tokens, the policy 512"):
+        make_engine(model, drafter="draft_model", draft_model_path=str(tmp_path / "half"))
+    with pytest.raises(DraftModelError, match="not a Hugging Face model directory"):
+        make_engine(model, drafter="draft_model", draft_model_path=str(tmp_path / "nowhere"))
+    # the same vocabulary size, another tokenizer: two tokens' ids swapped
+    smol = ensure_smollm2_dir(ModelConfig().cache_dir)
+    tok = AutoTokenizer.from_pretrained(str(smol))
+    policy = tiny_llama(layers=1, hidden=32, vocab=len(tok), heads=4, kv_heads=2)
+    for name, swap in (("same-tok", False), ("other-tok", True)):
+        policy.save_pretrained(tmp_path / name)
+        spec = json.loads((smol / "tokenizer.json").read_text())
+        if swap:
+            vocab = spec["model"]["vocab"]
+            vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps(spec))
+    cfg = EngineConfig(max_seq_len=64, max_batch_size=2,
+                       spec=SpecConfig(enabled=True, drafter="draft_model", draft_model_path=str(tmp_path / "same-tok")))
+    LLMEngine(policy, cfg, eos_token_ids=[0], tokenizer=tok)
+    cfg.spec.draft_model_path = str(tmp_path / "other-tok")
+    with pytest.raises(DraftModelError, match="tokenizer is not the policy's \\(2 tokens have another id"):
+        LLMEngine(policy, cfg, eos_token_ids=[0], tokenizer=tok)

@@ -60,7 +60,7 @@ class SpecConfig(Section):
     drafter: str = Field(
         "suffix",
         description="what proposes draft tokens: suffix (matches in the request's own tokens and its GRPO group's), "
-        "draft_model (a layer-truncated copy of the policy), mtp (a multi-token-prediction head on the policy's "
+        "draft_model (a layer-truncated copy of the policy, or draft_model_path's checkpoint), mtp (a multi-token-prediction head on the policy's "
         "hidden state, trained online with train.mtp), or module:attr / file.py:attr",
     )
     num_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per sequence and step (k, tokens)")
@@ -93,6 +93,11 @@ class SpecConfig(Section):
     )
     max_groups: int = Field(256, ge=1, description="suffix drafter: group token stores kept per process (least recent dropped)")
     draft_layers: int = Field(2, ge=1, description="draft_model drafter: decoder layers kept from the policy")
+    draft_model_path: str | None = Field(
+        None, description="draft_model drafter: a separate Hugging Face checkpoint of the policy's tokenizer to draft "
+        "with (e.g. a 135M for a 1.7B of its family; kept as loaded, not trained); None = the policy's first "
+        "draft_layers layers"
+    )
     mtp_path: str | None = Field(
         None, description="mtp drafter: head weights to start from, a file or a directory holding mtp.safetensors "
         "(train.mtp saves one; None = model.path's mtp.safetensors when an export/checkpoint holds one, else the "

@@ -34,6 +34,7 @@ PATH_KNOBS: dict[str, PathKind] = {
     "engine.spec.drafter": "ref",
     "engine.spec.profile_path": "path",
     "engine.spec.mtp_path": "path",
+    "engine.spec.draft_model_path": "path",
     "engine.vllm.python": "command",
     "engine.vllm.work_dir": "path",
     "engine.sglang.python": "command",

@@ -72,7 +72,7 @@ FEATURES: tuple[Feature, ...] = (
             ("prefix/", "train/packing.py"), ("train.packing=tree",)),
     Feature("I1", "Speculative decoding with a small draft model of the policy's tokenizer: the policy's first "
             "layers, or a separate checkpoint.", ("engine/spec/draft_model.py",),
-            ("engine.spec.drafter=draft_model", "engine.spec.draft_layers")),
+            ("engine.spec.drafter=draft_model", "engine.spec.draft_layers", "engine.spec.draft_model_path")),
     Feature("I2", "Drafting with a multi-token-prediction (MTP) head.", ("engine/spec/mtp.py",),
             ("engine.spec.drafter=mtp", "engine.spec.mtp_path")),
     Feature("I3", "Keeping an MTP head aligned with the moving policy by training it online (top-K KL loss; Forge).",

@@ -21,7 +21,11 @@
 5. simulator: the scheduling bench's Seer-like workload (GPU-class cost model), Seer dispatch plus
    speculative decoding at the measured first-position acceptance of group drafts, against pinned
    dispatch without it (``sim_seer_full_tail_reduction``).
-6. MTP: two GRPO runs of the job itself on a tiny random Llama (SmolLM2 on 2 CPU cores is too slow for
+6. draft checkpoint (``engine.spec.draft_model_path``): SmolLM2's first layers saved as a Hugging Face
+   checkpoint of their own draft greedy decoding one sequence at a time vs plain
+   (``draft_checkpoint_speedup``, ``draft_checkpoint_tau``): the mechanism's cost and exactness, as no
+   trained smaller model of SmolLM2's tokenizer is available offline.
+7. MTP: two GRPO runs of the job itself on a tiny random Llama (SmolLM2 on 2 CPU cores is too slow for
    >= 10 RL steps here), the mtp drafter's head trained online every step vs frozen at the same start
    (``mtp_tau_online``, ``mtp_tau_frozen``: mean tau of the last 3 steps).
 """
@@ -253,6 +257,46 @@ def exactness(loaded, prompts, stores) -> dict:
             "accepted_tokens": spec_eng.stats_dict()["spec_accepted_tokens"]}
 
 
+DRAFT_LAYERS = 8  # of SmolLM2-135M's 30, saved as the separate draft checkpoint
+
+
+def draft_checkpoint(loaded: LoadedModel, prompts: list[list[int]], reps: int) -> dict:
+    """engine.spec.draft_model_path: SmolLM2's first ``DRAFT_LAYERS`` layers (embeddings, final norm and
+    head) written as a Hugging Face checkpoint of its own (no 1.7B/135M pair of one tokenizer fits this
+    machine: this is the mechanism, not a trained draft model), drafting greedy decoding of one sequence
+    at a time, fixed k = 4, vs plain decoding on the same engine (A B, B A, ...): tokens/s ratio, tau, and
+    whether the tokens are the plain ones."""
+    from transformers import AutoModelForCausalLM
+
+    out = OUT_DIR / "draft-checkpoint"
+    config = loaded.model.config.__class__.from_dict({**loaded.model.config.to_dict(), "num_hidden_layers": DRAFT_LAYERS})
+    draft = AutoModelForCausalLM.from_config(config)
+    draft.load_state_dict(loaded.model.state_dict(), strict=False)  # the layers past DRAFT_LAYERS are dropped
+    draft.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    eng = engine(loaded, spec=True, drafter="draft_model", draft_model_path=str(out), adaptive=False, num_tokens=4)
+    decoder = eng.spec
+    reqs = [member(pr, p, 0, f"dc{p}", greedy) for p, pr in enumerate(prompts)]
+    outputs: dict[bool, list[list[int]]] = {}
+    tok = {True: 0, False: 0}
+    busy = {True: 0.0, False: 0.0}
+    for rep in range(reps):
+        for on in (True, False)[:: 1 if rep % 2 == 0 else -1]:
+            eng.spec = decoder if on else None
+            for r in reqs:  # one at a time: the tail of a rollout
+                busy0, tok0 = eng.stats.busy_s, eng.stats.generated_tokens
+                res = eng.generate([replace(r, prompt_token_ids=list(r.prompt_token_ids))])[0]
+                tok[on] += eng.stats.generated_tokens - tok0
+                busy[on] += eng.stats.busy_s - busy0
+                if rep == 0:
+                    outputs.setdefault(on, []).append(res.token_ids)
+    eng.spec = decoder
+    spec_tps, plain_tps = tok[True] / busy[True], tok[False] / busy[False]
+    return {"speedup": spec_tps / plain_tps, "spec_tps": spec_tps, "plain_tps": plain_tps,
+            "tau": decoder.stats()["spec_mean_acceptance_length"], "greedy_identical": outputs[True] == outputs[False]}
+
+
 @torch.inference_mode()
 def _replay_diff(plain: LLMEngine, r) -> float:
     """max |log-prob| difference between ``r`` and the plain engine's decode path over r's tokens."""
@@ -365,6 +409,9 @@ def run(quick: bool, console: Console) -> dict:
                   f"{ex['greedy_logprob_max_abs_diff']:.2e}, sampled {ex['sampled_logprob_max_abs_diff']:.2e} "
                   f"({ex['accepted_tokens']} draft tokens accepted); plain batched vs alone "
                   f"{ex['plain_batch_logprob_max_abs_diff']:.2e}")
+    dc = draft_checkpoint(loaded, prompts[:2], 2)
+    console.print(f"  draft checkpoint ({DRAFT_LAYERS} layers): {dc['spec_tps']:.1f} vs {dc['plain_tps']:.1f} tok/s = "
+                  f"{dc['speedup']:.2f}x, tau {dc['tau']:.3f}, greedy identical {dc['greedy_identical']}")
     dist = sampled_distribution(1000 if quick else 2000)
     console.print(f"  sampled tokens chi-square p {dist['sampled_dist_pvalue']:.3f} ({dist['accepted_tokens']} accepted)")
 
@@ -421,6 +468,8 @@ def run(quick: bool, console: Console) -> dict:
              ("batch 32: verify / plain steps", f"{b32['verify_steps']} / {b32['plain_steps']}"),
              (f"mtp tau, last 3 of {MTP_STEPS} RL steps (tiny model): online / frozen",
               f"{mtp_tau['online']:.3f} / {mtp_tau['frozen']:.3f}"),
+             (f"draft checkpoint (SmolLM2's first {DRAFT_LAYERS} layers, own HF dir), greedy batch 1: spec / plain tokens/s",
+              f"{dc['spec_tps']:.1f} / {dc['plain_tps']:.1f} = {dc['speedup']:.2f}x (tau {dc['tau']:.3f})"),
              ("greedy tokens identical", str(ex["greedy_identical"])),
              ("sampled tokens identical to plain sampling, same seeds", str(ex["sampled_identical"])),
              ("max |log-prob - plain|", f"{ex['logprob_max_abs_diff']:.2e}"),
@@ -458,6 +507,11 @@ def run(quick: bool, console: Console) -> dict:
         "tail_replay_by_batch": ceil["measured"],
         "tail_replay_free_rows_by_batch": ceil["free_rows"],
         "batch32_ratio": b32["ratio"],
+        # engine.spec.draft_model_path: a separate HF checkpoint drafting (greedy, one sequence at a time)
+        "draft_checkpoint_speedup": dc["speedup"],
+        "draft_checkpoint_tau": dc["tau"],
+        "draft_checkpoint_greedy_identical": dc["greedy_identical"],
+        "draft_checkpoint_layers": DRAFT_LAYERS,
         "greedy_identical": ex["greedy_identical"],
         "sampled_identical": ex["sampled_identical"],
         "logprob_max_abs_diff": ex["logprob_max_abs_diff"],

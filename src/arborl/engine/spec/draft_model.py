@@ -1,12 +1,17 @@
-"""Drafts from a smaller model (I1) of the same tokenizer: the policy's first ``draft_layers`` decoder
-layers with its embeddings, final norm and LM head (shared, not copied: a weight update reaches the
-drafter at once), run by the engine's own forward (``ModelRunner``) over a KV cache of its own.
+"""Drafts from a smaller model (I1) of the same tokenizer: a separate Hugging Face checkpoint
+(``engine.spec.draft_model_path``, e.g. a 135M for a 1.7B of its family; its weights stay as loaded),
+else the policy's first ``draft_layers`` decoder layers with its embeddings, final norm and LM head
+(shared, not copied: a weight update reaches the drafter at once); run by the engine's own forward
+(``ModelRunner``) over a KV cache of its own.
 
 Drafts are greedy (q one-hot), so verification is ordinary rejection sampling. Each sequence keeps a
 draft slot; its KV stays valid for the tokens the policy accepted, the rest is recomputed.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +20,12 @@ from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sequence import Sequence
 from arborl.engine.spec.draft import Draft
 from arborl.engine.spec.drafter import DRAFTERS, EngineView
+from arborl.models.hf_dir import has_tokenizer
 from arborl.types import ArborlError
+
+
+class DraftModelError(ArborlError):
+    """engine.spec.draft_model_path cannot draft for this policy (no model there, another vocabulary or tokenizer)."""
 
 
 class _Decoder(nn.Module):
@@ -43,10 +53,38 @@ class TruncatedLM(nn.Module):
         return self.model.embed_tokens
 
 
+def load_draft_model(path: str | Path, policy: nn.Module, tokenizer: Any = None) -> nn.Module:
+    """The HF checkpoint at ``path`` as a drafter for ``policy`` (its device and float dtype): the same
+    vocabulary size, and when both have a tokenizer, the same token -> id map; DraftModelError if not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise DraftModelError(f"engine.spec.draft_model_path: {path} is not a Hugging Face model directory "
+                              "(no config.json); point it at one, e.g. an `arborl export` or a downloaded model")
+    want = policy.config.vocab_size
+    if tokenizer is not None and has_tokenizer(path):
+        theirs, ours = AutoTokenizer.from_pretrained(str(path)).get_vocab(), tokenizer.get_vocab()
+        if theirs != ours:
+            diff = sum(theirs.get(t) != ours.get(t) for t in theirs.keys() | ours.keys())
+            raise DraftModelError(f"engine.spec.draft_model_path: {path}'s tokenizer is not the policy's ({diff} "
+                                  "tokens have another id or none); the draft model must share the policy's tokenizer")
+    param = next(policy.parameters())
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype).to(param.device).eval()
+    if model.config.vocab_size != want:
+        raise DraftModelError(f"engine.spec.draft_model_path: {path} has a vocabulary of {model.config.vocab_size} "
+                              f"tokens, the policy {want}; the draft model must share the policy's tokenizer")
+    return model
+
+
 class DraftModelDrafter:
     def __init__(self, engine: EngineView) -> None:
         cfg = engine.config
-        self.model = TruncatedLM(engine.model, cfg.spec.draft_layers).eval()
+        path = cfg.spec.draft_model_path
+        self.shared = path is None  # the policy's own layers: a weight update changes the drafter too
+        self.model = (TruncatedLM(engine.model, cfg.spec.draft_layers) if self.shared
+                      else load_draft_model(path, engine.model, getattr(engine, "tokenizer", None))).eval()
         self.runner = ModelRunner(self.model, slots=cfg.max_batch_size, max_len=cfg.max_seq_len, attention=cfg.attention)
         self._free = list(range(cfg.max_batch_size - 1, -1, -1))
         self._slot: dict[str, int] = {}
@@ -97,6 +135,8 @@ class DraftModelDrafter:
         self._proposed.pop(rid, None)
 
     def weights_updated(self) -> None:
+        if not self.shared:  # a separate checkpoint: its weights and KV stay as they are
+            return
         for rid in self._valid:  # the layers are the policy's own: their new weights are already in
             self._valid[rid] = 0
         self._proposed.clear()
