@@ -75,7 +75,7 @@ CR_CONFIG := configs/code_repair.yaml
 code-repair-demos: venv sandbox
 	$(VENV)/bin/arborl envs validate code_repair $(CR_CONFIG) --tier easy
 	$(VENV)/bin/arborl envs validate code_repair $(CR_CONFIG) --tier easy --which variants --split eval
-	$(VENV)/bin/arborl envs demos code_repair $(CR_CONFIG) --split train --per-task 2 --out runs/code-repair-demos.jsonl
+	$(VENV)/bin/arborl envs demos code_repair $(CR_CONFIG) --split train --per-task 1 --out runs/code-repair-demos.jsonl
 
 code-repair: code-repair-demos
 	$(VENV)/bin/arborl train $(CR_CONFIG) --overwrite

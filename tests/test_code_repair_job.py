@@ -63,3 +63,17 @@ def test_one_train_runs_evals_sft_evals_rl_evals_and_keeps_them_in_the_summary(t
     assert [r["split"] for r in rows if r.get("split")] == ["eval", "eval_perturbed"] * 3
     step = next(r for r in rows if r["kind"] == "step")
     assert step["episodes"] == 2 and step["policy_version"] == 2  # SFT published version 1, RL version 2
+
+    # `arborl bench envs --quick` reads these figures from a recorded run of the job
+    from rich.console import Console
+
+    from arborl.bench.envs_episodes_bench import training_section
+
+    figures = training_section(True, Console(quiet=True), run_dir=cfg.run_dir)
+    assert figures["code_repair_success_before"] == summary["eval_success_before"]
+    assert figures["code_repair_success_after_sft"] == summary["eval_success_after_sft"]
+    assert figures["code_repair_success_after"] == summary["eval_success_after"]
+    assert figures["code_repair_perturbed_success_after"] == summary["eval_perturbed_success_after"]
+    assert str(cfg.run_dir) in figures["code_repair_source"]
+    missing = training_section(True, Console(quiet=True), run_dir=tmp_path / "no-run")
+    assert missing["code_repair_success_after"] is None and "make code-repair" in missing["code_repair_training"]
