@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox compiler browser vllm train test bench-engine knobs glossary figures clean
+.PHONY: venv test-deps sandbox compiler browser vllm train code-repair-demos code-repair test bench-engine knobs glossary figures clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -67,6 +67,18 @@ vllm: $(VLLM_VENV)/.installed
 RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
 	$(VENV)/bin/arborl train --set name=$(RUN)
+
+# the code-repair job (configs/code_repair.yaml; docs/training-an-agent.md): validate the easy tier and the
+# held-out variants in the sandbox (E3, cached), write demonstrations of the *train* split (its
+# train.sft.files), then `arborl train` = evals, SFT on the demos, evals, GRPO, evals
+CR_CONFIG := configs/code_repair.yaml
+code-repair-demos: venv sandbox
+	$(VENV)/bin/arborl envs validate code_repair $(CR_CONFIG) --tier easy
+	$(VENV)/bin/arborl envs validate code_repair $(CR_CONFIG) --tier easy --which variants --split eval
+	$(VENV)/bin/arborl envs demos code_repair $(CR_CONFIG) --split train --per-task 1 --out runs/code-repair-demos.jsonl
+
+code-repair: code-repair-demos
+	$(VENV)/bin/arborl train $(CR_CONFIG) --overwrite
 
 # two pytest workers; each test file runs whole on one of them, Ray files one at a time (tests/conftest.py);
 # then the files whose tests need "a request in flight" again, with the engine made slow and fast

@@ -109,6 +109,19 @@ def test_envs_validate_command(tmp_path):
     assert out["validated_tasks"] == 2 and out["tasks"] == 2 and out["k"] == 2  # k from rollout.code_repair.validation_k
     cached = json.loads((suite_dir / "validation.json").read_text())
     assert len(cached) == 2 and {r["k"] for r in cached.values()} == {2}
+    # --split eval: only the held-out tasks (what the code-repair job evaluates on)
+    res = CliRunner().invoke(app, [*args[:3], "--tier", "easy", "--split", "eval", "--jobs", "2", *args[9:]])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    splits = {json.loads((suite_dir / "tasks" / h / "task.json").read_text())["split"]
+              for h in json.loads((suite_dir / "validation.json").read_text())}
+    assert out["split"] == "eval" and out["tasks"] >= 1 and splits == {"train", "eval"}
+    evals = [h for h in json.loads((suite_dir / "index.json").read_text())["tasks"]
+             if json.loads((suite_dir / "tasks" / h / "task.json").read_text())["split"] == "eval"
+             and json.loads((suite_dir / "tasks" / h / "task.json").read_text())["tier"] == "easy"]
+    assert out["tasks"] == len(evals)
+    bad = CliRunner().invoke(app, [*args[:3], "--split", "test", *args[9:]])
+    assert bad.exit_code == 2 and "--split must be train, eval or all" in bad.output
 
     bad = CliRunner().invoke(app, ["envs", "validate", "calculator"])
     assert bad.exit_code == 2 and "suite 'calculator' has no validation" in bad.output

@@ -222,3 +222,14 @@ def test_abort_resume_at_a_publish_resumes_requests_in_flight_under_the_new_weig
         got = torch.tensor(res.logprobs)
         assert torch.allclose(got[:k], logprobs(old, p, res.token_ids)[:k], atol=1e-4)
         assert torch.allclose(got[k:], logprobs(new, p, res.token_ids)[k:], atol=1e-4)
+
+
+def test_tool_use_counts_episodes_with_a_recorded_tool_run_whatever_the_suite():
+    from arborl.controller import tool_use
+    from arborl.types import Episode
+
+    tool = Episode("t1", interactions=[{"kind": "tool", "tool": "run", "after_call": "c1"}])
+    other = Episode("t2", interactions=[{"kind": "penalty"}])
+    none = Episode("t3")
+    assert tool_use([tool, other, none, tool]) == 0.5
+    assert tool_use([]) == 0.0

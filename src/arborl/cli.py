@@ -315,6 +315,7 @@ def envs_validate(
     k: Optional[int] = typer.Option(None, "--k", min=1, help="runs of gold and no-op per task (default: rollout.code_repair.validation_k)"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="tasks validated at once"),
     which: str = typer.Option("base", "--which", help="base tasks, their perturbed variants, or all"),
+    split: str = typer.Option("all", "--split", help="train, eval (the held-out tasks and their variants) or all"),
     limit: int = typer.Option(0, "--limit", min=0, help="validate only this many tasks, spread over the suite (0 = all)"),
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
@@ -330,7 +331,7 @@ def envs_validate(
     try:
         cfg = load_config(config, overrides)
         out = validate_suite(cfg, suite, tier=tier, k=k or cfg.rollout.code_repair.validation_k, jobs=jobs,
-                             which=which, limit=limit, console=console)
+                             which=which, limit=limit, console=console, split=split)
     except ArborlError as e:
         raise _fail(console, e) from None
     print(json.dumps(out, sort_keys=True))

@@ -300,7 +300,7 @@ class Controller:
             "step": step + 1,
             "reward": sum(e.reward or 0.0 for e in episodes) / n,
             "success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / n,
-            "tool_use": sum(e.reward_components.get("used_tool", 0.0) for e in episodes) / n,
+            "tool_use": tool_use(episodes),
             "episodes": stats.episodes,
             "unusable_episodes": stats.unusable,
             "zero_variance_groups": stats.zero_variance_groups,
@@ -339,9 +339,16 @@ class Controller:
         return {
             "eval_success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / len(episodes),
             "eval_reward": sum(e.reward or 0.0 for e in episodes) / len(episodes),
-            "eval_tool_use": sum(e.reward_components.get("used_tool", 0.0) for e in episodes) / len(episodes),
+            "eval_tool_use": tool_use(episodes),
             "eval_s": time.perf_counter() - t0,
         }
+
+
+def tool_use(episodes: list[Episode]) -> float:
+    """Fraction of episodes in which the agent ran at least one tool (a recorded ``kind=tool`` interaction)."""
+    if not episodes:
+        return 0.0
+    return sum(any(i.get("kind") == "tool" for i in e.interactions) for e in episodes) / len(episodes)
 
 
 def make_judge(cfg: JudgeConfig, gateway: Gateway) -> Judge | None:

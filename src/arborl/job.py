@@ -104,6 +104,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     elif not overwrite:
         run.check_new()
     suite = make_suite(cfg.rollout)  # data files read, reward file imported and tried: all before the model loads
+    if not resume and cfg.train.sft.files:  # the warm start's transcripts too: a missing file fails here
+        from arborl.sft import read_transcripts
+
+        read_transcripts(cfg.train.sft.files)
 
     r = cfg.rollout
     torch.manual_seed(cfg.seed)

@@ -250,7 +250,7 @@ def section_episodes(quick: bool, console: Console) -> dict:
 
 
 def section_training(quick: bool, console: Console) -> dict:
-    """Success on held-out easy tasks before and after a short training run (full mode only)."""
+    """Held-out success of the code-repair job before SFT, after SFT and after RL (--quick: its recorded run)."""
     from arborl.bench.envs_episodes_bench import training_section
 
     return training_section(quick, console)

@@ -2,8 +2,10 @@
 
 * episodes: the white-box code agent and the black-box CLI agent (examples/code_repair_agent.py, run in
   each episode's sandbox) on easy-tier tasks -> ``whitebox_episodes_per_min``, ``blackbox_episodes_per_min``;
-* training (full mode only; it takes tens of minutes): ``configs/code_repair.yaml`` shortened to the
-  bench's budget -> ``code_repair_success_before`` / ``_after`` on held-out easy tasks.
+* training: the code-repair job (``configs/code_repair.yaml``: SFT on train demos, then GRPO) ->
+  ``code_repair_success_before`` / ``_after_sft`` / ``_after`` on the held-out easy tasks, and
+  ``code_repair_perturbed_success_*`` on their perturbed variants. ``--quick`` reads the job's recorded
+  run (runs/code-repair/summary.json); the full bench runs the whole job (~45 min) itself.
 """
 
 from __future__ import annotations
@@ -69,17 +71,39 @@ def episodes_section(quick: bool, console) -> dict[str, Any]:  # noqa: ANN001 - 
             "whitebox_success_untrained": wi["success"], "blackbox_success_untrained": bi["success"]}
 
 
-def training_section(quick: bool, console) -> dict[str, Any]:  # noqa: ANN001
+JOB = REPO / "configs" / "code_repair.yaml"
+STAGES = ("before", "after_sft", "after")
+
+
+def job_figures(summary: dict[str, Any], source: str) -> dict[str, Any]:
+    """The code-repair job's held-out figures (``summary.json`` of configs/code_repair.yaml's run), as
+    ``code_repair_success_<stage>`` (eval split) and ``code_repair_perturbed_success_<stage>``."""
+    out: dict[str, Any] = {}
+    for split, name in (("eval", "code_repair_success"), ("eval_perturbed", "code_repair_perturbed_success")):
+        for stage in STAGES:
+            out[f"{name}_{stage}"] = summary.get(f"{split}_success_{stage}")
+    wall = summary.get("wall_s")
+    out["code_repair_job_min"] = round(wall / 60, 1) if wall is not None else None
+    out["code_repair_source"] = source
+    return out
+
+
+def training_section(quick: bool, console, run_dir: Path | None = None) -> dict[str, Any]:  # noqa: ANN001
+    """--quick reads the figures of the job's recorded run (runs/<name>/summary.json of configs/code_repair.yaml:
+    `make code-repair` or `arborl train configs/code_repair.yaml`); the full bench runs that job itself (~45 min:
+    the suite validated and the demos made first, `make code-repair-demos`) as run bench-code-repair."""
+    cfg = load_config(JOB, [])
+    recorded = Path(run_dir) if run_dir is not None else cfg.run_dir
     if quick:
-        return {"code_repair_success_before": None, "code_repair_success_after": None,
-                "code_repair_training": "not run in --quick (tens of minutes): run `arborl bench envs`"}
+        summary_file = recorded / "summary.json"
+        if not summary_file.is_file():
+            return {**job_figures({}, "none"), "code_repair_training": f"no recorded run: {summary_file} is missing; "
+                    "run `make code-repair` (or `arborl train configs/code_repair.yaml`) first"}
+        console.print(f"code_repair training: the recorded job {recorded} (summary.json) ...")
+        return job_figures(json.loads(summary_file.read_text()), f"recorded run {summary_file}")
     from arborl.job import train
 
-    with tempfile.TemporaryDirectory(prefix="arborl-bench-train-") as d:
-        cfg = _cfg(Path(d), "rollout.steps=8", "rollout.eval_tasks=16")
-        console.print("code_repair training: configs/code_repair.yaml, 8 steps, 16 held-out easy tasks ...")
-        t0 = time.perf_counter()
-        summary = train(cfg)
-    return {"code_repair_success_before": summary.get("eval_success_before"),
-            "code_repair_success_after": summary.get("eval_success_after"),
-            "code_repair_train_min": round((time.perf_counter() - t0) / 60, 1)}
+    cfg = load_config(JOB, ["name=bench-code-repair"])
+    console.print("code_repair training: the whole job (configs/code_repair.yaml: evals, SFT, evals, GRPO, evals) ...")
+    summary = train(cfg, overwrite=True)
+    return job_figures(summary, f"this bench's run {cfg.run_dir}")

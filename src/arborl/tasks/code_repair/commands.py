@@ -26,8 +26,8 @@ def suite_tasks(cr: "CodeRepairConfig", *, variants: bool) -> tuple[list[RepairT
     return materialise(root, cr.seed, cr.per_template, variants=variants), root
 
 
-def _select(tasks: list[RepairTask], tier: str, which: str, limit: int) -> list[RepairTask]:
-    out = [t for t in tasks if tier in ("all", t.tier)]
+def _select(tasks: list[RepairTask], tier: str, which: str, limit: int, split: str = "all") -> list[RepairTask]:
+    out = [t for t in tasks if tier in ("all", t.tier) and split in ("all", t.split)]
     if which == "base":
         out = [t for t in out if not t.meta.get("perturbation")]
     elif which == "variants":
@@ -40,16 +40,19 @@ def _select(tasks: list[RepairTask], tier: str, which: str, limit: int) -> list[
 
 def validate_suite(
     cfg: "Config", suite: str, *, tier: str, k: int, jobs: int, which: str, limit: int, console: "Console",
-    runtime: Runtime | None = None,
+    runtime: Runtime | None = None, split: str = "all",
 ) -> dict[str, Any]:
-    """Validate the suite's tasks (``which``: base, variants or all) and return the counts and the dropped."""
+    """Validate the suite's tasks (``which``: base, variants or all; ``split``: train, eval or all) and return
+    the counts and the dropped."""
     if suite not in VALIDATING_SUITES:
         raise EnvError(f"suite {suite!r} has no validation: `arborl envs validate` knows {', '.join(VALIDATING_SUITES)}")
     if tier not in ("easy", "medium", "hard", "all"):
         raise EnvError(f"--tier must be easy, medium, hard or all, got {tier!r}")
+    if split not in ("train", "eval", "all"):
+        raise EnvError(f"--split must be train, eval or all, got {split!r}")
     cr = cfg.rollout.code_repair
     tasks, root = suite_tasks(cr, variants=which != "base")
-    chosen = _select(tasks, tier, which, limit)
+    chosen = _select(tasks, tier, which, limit, split)
     if runtime is None:
         from arborl.envs import make_runtime
 
@@ -65,7 +68,7 @@ def validate_suite(
 
     report = asyncio.run(validate_tasks(runtime, chosen, k=k, timeout_s=cr.test_timeout_s, jobs=jobs,
                                         cache=ValidationCache(root), progress=progress))
-    out: dict[str, Any] = {"suite": suite, "tier": tier, "which": which, "k": k, "tasks": len(chosen),
+    out: dict[str, Any] = {"suite": suite, "tier": tier, "which": which, "split": split, "k": k, "tasks": len(chosen),
                            **report.counts(), "seconds": round(time.perf_counter() - t0, 1),
                            "dropped": {s: ids for s, ids in report.dropped().items() if ids}}
     by_kind = Counter((t.meta.get("perturbation") or "base", report.results[t.id].status) for t in chosen)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import hashlib
 import os
 import random
 import re
@@ -30,7 +31,7 @@ from arborl.agents.sandboxed import SandboxedCommand
 from arborl.envs.base import CommandResult, EnvError, Runtime, Workspace
 from arborl.tasks.code_repair.catalog import materialise, suite_root
 from arborl.tasks.code_repair.scoring import Verdict, run_hidden_tests
-from arborl.tasks.code_repair.store import RepairTask
+from arborl.tasks.code_repair.store import RepairTask, read_files
 from arborl.tasks.code_repair.validate import ValidationCache
 from arborl.types import Call, Task
 
@@ -84,6 +85,17 @@ class RepairEpisode:
         return outcome
 
 
+def source_key(t: RepairTask) -> str:
+    """A task's code: its buggy repository and its gold patch, without the hidden tests. Two tasks of a template
+    can draw the same code with other test values; such an eval task is no held-out task for a train one."""
+    h = hashlib.sha256()
+    for part in (read_files(t.repo), t.gold_files()):
+        for rel, text in sorted(part.items()):
+            h.update(f"{len(rel)}:{rel}{len(text)}:{text}".encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
 def _regular_files(root: Path, limit: int) -> dict[str, str]:
     """Text of the regular files under ``root`` (symlinks and special files are never followed)."""
     out: dict[str, str] = {}
@@ -134,6 +146,7 @@ class CodeRepairSuite:
         self.all_tasks = materialise(self.root, cfg.seed, cfg.per_template, variants=cfg.variants or cfg.eval_perturbed)
         self._by_hash = {t.hash: t for t in self.all_tasks}
         self.cache = ValidationCache(self.root)
+        self._train_keys: set[str] | None = None
         self._envs = envs
         self._runtime = runtime
         self.inner = inner  # None: the built-in code agent (agents/code_agent.py)
@@ -158,7 +171,7 @@ class CodeRepairSuite:
     def pool(self, split: str) -> list[RepairTask]:
         """The tasks of ``split`` that the tier and validation knobs allow, in a fixed order. ``eval_perturbed``:
         the perturbed variants of the eval split's tasks (never drawn for training or plain eval unless
-        ``variants``)."""
+        ``variants``). A held-out task whose code (repository and gold patch) equals a train task's is left out."""
         if split not in ("train", "eval", "eval_perturbed"):
             raise ValueError(f"split must be 'train', 'eval' or 'eval_perturbed', got {split!r}")
         statuses = self.cache.statuses()
@@ -172,6 +185,11 @@ class CodeRepairSuite:
 
         out = [t for t in self.all_tasks if wanted(t) and self.cfg.tier in ("all", t.tier)
                and statuses.get(t.hash, "") in ok]
+        if split != "train":  # held out means unseen code: not a train task's repository and fix with other test
+            seen = self._train_sources()  # values, nor a variant of such a task
+            origin = self._by_hash.get
+            out = [t for t in out if source_key(t) not in seen
+                   and source_key(origin(t.meta.get("variant_of", ""), t)) not in seen]
         if not out:
             tier = f" --tier {self.cfg.tier}" if self.cfg.tier != "all" else ""
             raise EnvError(
@@ -179,6 +197,11 @@ class CodeRepairSuite:
                 f"{self.cfg.tier!r} in {self.root}: run `arborl envs validate code_repair{tier}` first"
                 + (" (or set rollout.code_repair.require_validated=false)" if self.cfg.require_validated else ""))
         return sorted(out, key=lambda t: t.id)
+
+    def _train_sources(self) -> set[str]:
+        if self._train_keys is None:
+            self._train_keys = {source_key(t) for t in self.all_tasks if t.split == "train"}
+        return self._train_keys
 
     def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
         pool = self.pool(split)
