@@ -25,7 +25,7 @@ from arborl.types import InvalidRequestError, Sample
 
 def sft_config(train: TrainConfig) -> TrainConfig:
     """``train`` with the SFT loss: one optimiser step per batch, no KL / entropy / correction terms."""
-    loss = train.loss.model_copy(update={"kind": "sft", "kl_coef": 0.0, "entropy_coef": 0.0, "aggregation": "token_mean"})
+    loss = train.loss.model_copy(update={"kind": "sft", "settings": {}, "kl_coef": 0.0, "entropy_coef": 0.0, "aggregation": "token_mean"})
     return train.model_copy(update={
         "loss": loss, "lr": train.sft.lr or train.lr, "ppo_epochs": 1, "minibatches": 1, "old_logprobs": "trainer",
         "decoupled": False, "correction": train.correction.model_copy(update={"mode": "none"}),

@@ -38,7 +38,7 @@ from torch.nn.utils.rnn import pad_sequence
 from arborl.config import TrainConfig
 from arborl.prefix import RadixTree
 from arborl.train.corrections import decoupled_weights, rollout_correction
-from arborl.train.losses import policy_loss
+from arborl.train.losses import policy_loss, resolve_loss
 from arborl.train.packing import pack, packed_logprobs
 from arborl.types import InvalidRequestError, Sample
 
@@ -121,6 +121,7 @@ class Trainer:
         must be under that distribution too)."""
         if temperature <= 0:
             raise InvalidRequestError("the trainer's temperature must be > 0 (greedy rollouts cannot be trained on)")
+        resolve_loss(cfg.loss)  # train.loss.kind and its settings: a ConfigError naming the key, before any work
         self.cfg = cfg
         self.temperature = temperature
         self.model = self._with_lora(model) if cfg.lora_rank > 0 else model
@@ -257,8 +258,8 @@ class Trainer:
         old = prox if cfg.old_logprobs == "trainer" else rollout
         ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
         loss, metrics = policy_loss(
-            logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
-            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
+            cfg.loss, logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
+            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples,
         )
         loss.backward()
         w = float(mask.sum())
