@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,3 +419,14 @@ def test_aggregate_float_mask_and_bool_mask():
     assert aggregate(v, bm, "seq_mean").item() == pytest.approx((1.5 + 4) / 2)
     with pytest.raises(ValueError, match="aggregation"):
         aggregate(v, bm, "sum")
+
+
+def test_one_importance_ratio_and_one_clamp_for_losses_and_corrections():
+    """train/ratio.py is the only place that defines the ratio and its clamp (losses, policy losses and
+    corrections all import it)."""
+    train = Path(__file__).resolve().parents[1] / "src" / "arborl" / "train"
+    defining = sorted(f.name for f in train.glob("*.py")
+                      if re.search(r"^(LOG_RATIO_CLAMP\s*=|def _?ratio\(|def importance_ratio\()", f.read_text(), re.M))
+    assert defining == ["ratio.py"]
+    for name in ("losses.py", "policy_losses.py", "corrections.py"):
+        assert "from arborl.train.ratio import" in (train / name).read_text()
