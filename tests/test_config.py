@@ -4,6 +4,7 @@ import pytest
 
 from arborl.config import Config, ConfigError, Section, dump_config, load_config
 from arborl.docs_knobs import render
+from arborl.train.policy_losses import POLICY_LOSSES
 
 
 def test_defaults_file_and_overrides(tmp_path: Path):
@@ -59,5 +60,9 @@ def test_every_knob_is_documented_and_knobs_md_is_fresh():
 
     for key, field in walk(Config):
         assert field.description, f"{key} has no description"
+    for kind in POLICY_LOSSES.names():  # each loss kind's own settings (train.loss.settings)
+        model = getattr(POLICY_LOSSES.get(kind), "Settings", None)
+        for name, field in (model.model_fields.items() if model is not None else ()):
+            assert field.description, f"train.loss.settings.{name} of kind {kind} has no description"
     knobs = Path(__file__).resolve().parents[1] / "docs" / "knobs.md"
     assert knobs.read_text() == render(), "docs/knobs.md is stale: run `make knobs`"

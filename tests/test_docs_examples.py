@@ -23,6 +23,7 @@ from arborl.config import Config, Section, load_config
 from arborl.datapool import DataPool
 from arborl.extensions import check_extensions
 from arborl.job import train
+from arborl.train.policy_losses import POLICY_LOSSES
 from helpers.blackbox_gateway import ADMIN_KEY, start_harness
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ def test_the_guides_agent_and_loss_examples_run(tmp_path):
         "model.tiny_layers=1", "model.tiny_hidden=32", "engine.max_seq_len=256", "rollout.task=even_tokens",
         "rollout.steps=1", "rollout.batch_tasks=1", "rollout.group_size=3", "rollout.max_tokens=4",
         "rollout.eval_tasks=0", "scheduling.timeline=false", "train.advantage.drop_zero_variance=false",
-        f"rollout.agent={tmp_path}/my_agent.py:make_agent", f"train.loss.kind={tmp_path}/my_loss.py:symmetric_ppo"])
+        f"rollout.agent={tmp_path}/my_agent.py:make_agent", f"train.loss.kind={tmp_path}/my_loss.py:symmetric_ppo", "train.loss.settings.clip=0.1"])
     train(cfg)
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
         episodes = [pool.get_episode(e.episode_id) for e in pool.episodes()]
@@ -135,9 +136,10 @@ def test_the_guides_agent_and_loss_examples_run(tmp_path):
     loss_ns: dict = {}
     exec(loss_code, loss_ns)
     logp, old = torch.tensor([[0.0, -1.0]]), torch.tensor([[-0.5, -0.5]])
-    loss, _ = loss_ns["symmetric_ppo"](logp, old, torch.tensor([[1.0, -1.0]]), clip_low=0.1, clip_high=9.0)
-    # ratio e^0.5 clipped at 1 + clip_low (not clip_high); ratio e^-0.5 clipped at 1 - clip_low
+    loss, _ = loss_ns["symmetric_ppo"](logp, old, torch.tensor([[1.0, -1.0]]), clip=0.1)
+    # ratio e^0.5 clipped at 1 + clip; ratio e^-0.5 clipped at 1 - clip
     assert torch.allclose(loss, torch.tensor([[-1.1, 0.9]]))
+    assert loss_ns["symmetric_ppo"].Settings(clip=0.1).clip == 0.1  # the settings the job validated
 
 
 # -- names in the docs -----------------------------------------------------------------------------
@@ -152,8 +154,14 @@ def _knob_paths(model: type[Section], prefix: str = "") -> set[str]:
     return out
 
 
+def _loss_setting_paths() -> set[str]:
+    """train.loss.settings.<name> of every registered loss kind."""
+    models = [getattr(POLICY_LOSSES.get(k), "Settings", None) for k in POLICY_LOSSES.names()]
+    return {f"train.loss.settings.{name}" for m in models if m is not None for name in m.model_fields}
+
+
 def test_every_knob_the_docs_name_exists():
-    knobs = _knob_paths(Config)
+    knobs = _knob_paths(Config) | _loss_setting_paths()
     sections = "|".join(sorted({k.split(".")[0] for k in knobs if "." in k}))
     named = re.compile(rf"`((?:{sections})\.[a-z_][a-z0-9_.]*)(?=[`=\s,)])")  # not module paths (train.losses.X)
     files = (".sqlite", ".md", ".py", ".yaml", ".json", ".jsonl", ".png")

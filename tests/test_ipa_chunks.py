@@ -114,9 +114,9 @@ def set_rollout(samples: list[Sample], policy, chunk1_shift: float) -> None:
                                       for x, m, c in zip(lp, s.loss_mask[1:], s.chunk_ids[1:])]
 
 
-def ipa_grad(samples: list[Sample], **loss) -> tuple[torch.Tensor, dict]:
+def ipa_grad(samples: list[Sample], **settings) -> tuple[torch.Tensor, dict]:
     cfg = TrainConfig(grad_clip=0.0, packing="flat",
-                      loss=LossConfig(kind="ipa", aggregation="constant", constant_normalizer=16, **loss))
+                      loss=LossConfig(kind="ipa", settings=settings, aggregation="constant", constant_normalizer=16))
     t = Trainer(tiny_llama(layers=1, hidden=32, vocab=VOCAB, heads=4, kv_heads=2, seed=0), cfg)
     metrics = t.train_step(samples)
     return torch.cat([p.grad.flatten() for p in t.params]), metrics
@@ -136,10 +136,10 @@ def test_a_mismatched_chunk_gives_no_gradient():
     g_only0, _ = ipa_grad(only0)
     torch.testing.assert_close(g_masked, g_only0, rtol=1e-5, atol=1e-8)
     # H above the mismatch, or a negative-side rule that does not apply to positive chunks: trained again
-    g_loose, m_loose = ipa_grad(shifted, ipa_mask_threshold=10.0)
+    g_loose, m_loose = ipa_grad(shifted, mask_threshold=10.0)
     assert m_loose["loss/mismatch_frac"] == 0 and (g_loose - g_masked).norm() > 1e-3 * g_masked.norm()
     for s in shifted:  # negative advantages: the sign rule masks them only when the trainer is BELOW the rollout
         s.advantages = [-a for a in s.advantages]
     _, m_neg = ipa_grad(shifted)
-    _, m_both = ipa_grad(shifted, ipa_mask_sides="both")
+    _, m_both = ipa_grad(shifted, mask_sides="both")
     assert m_neg["loss/mismatch_frac"] == 0 and m_both["loss/mismatch_frac"] == pytest.approx(20 / 36)

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborl.config import LossConfig
-from arborl.train.losses import (
-    aggregate,
-    cispo_token_loss,
-    entropy_from_logits,
-    kl_penalty,
-    policy_loss,
-    ppo_clip_token_loss,
-    token_logprobs,
-)
+from arborl.config import ConfigError, LossConfig
+from arborl.train.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from arborl.train.policy_losses import cispo_token_loss, ppo_clip_token_loss
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def loss_cfg(kind: str = "ppo", settings: dict | None = None, **shared) -> LossConfig:
+    """train.loss: the kind, its own settings, the shared terms."""
+    return LossConfig(kind=kind, settings=settings or {}, **shared)
 
 
 # ---------------------------------------------------------------- references (plain Python floats)
@@ -110,9 +110,8 @@ def test_ppo_loss_matches_reference(el, eh, c, agg, L, seed):
     lp, od, m = to_lists(logp), to_lists(old), to_lists(mask)
     tok = [[ref_ppo(lp[b][t], od[b][t], a[b][t], el, eh, c) if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
     expect = ref_aggregate(tok, m, agg, L)
-    loss, met = policy_loss(
-        logp, old, adv, mask, kind="ppo", clip_low=el, clip_high=eh, dual_clip=c, aggregation=agg, constant_normalizer=L
-    )
+    cfg = loss_cfg("ppo", dict(clip_low=el, clip_high=eh, dual_clip=c), aggregation=agg, constant_normalizer=L)
+    loss, met = policy_loss(cfg, logp, old, adv, mask)
     assert loss.dtype == F64
     assert loss.item() == pytest.approx(expect, rel=1e-12, abs=1e-12)
     # clip fraction: tokens where the clipped branch is active (strict inequalities)
@@ -144,9 +143,8 @@ def test_cispo_loss_matches_reference(eh, el, agg, L):
     B, T = logp.shape
     lp, od, a, m = to_lists(logp), to_lists(old), to_lists(adv), to_lists(mask)
     tok = [[ref_cispo(lp[b][t], od[b][t], a[b][t], eh, el) if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
-    loss, met = policy_loss(
-        logp, old, adv, mask, kind="cispo", cispo_eps_high=eh, cispo_eps_low=el, aggregation=agg, constant_normalizer=L
-    )
+    cfg = loss_cfg("cispo", dict(eps_high=eh, eps_low=el), aggregation=agg, constant_normalizer=L)
+    loss, met = policy_loss(cfg, logp, old, adv, mask)
     assert loss.item() == pytest.approx(ref_aggregate(tok, m, agg, L), rel=1e-12, abs=1e-12)
     n = sum(1 for b in range(B) for t in range(T) if m[b][t])
     hi = sum(1 for b in range(B) for t in range(T) if m[b][t] and math.exp(lp[b][t] - od[b][t]) > 1 + eh)
@@ -162,7 +160,7 @@ def test_importance_weights_multiply_the_per_token_loss():
     for kind, ref in [("ppo", lambda b, t: ref_ppo(lp[b][t], od[b][t], a[b][t], 0.2, 0.28, None)),
                       ("cispo", lambda b, t: ref_cispo(lp[b][t], od[b][t], a[b][t], 0.28, None))]:
         tok = [[wl[b][t] * ref(b, t) if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
-        loss, _ = policy_loss(logp, old, adv, mask, weights=w, kind=kind)
+        loss, _ = policy_loss(loss_cfg(kind), logp, old, adv, mask, weights=w)
         assert loss.item() == pytest.approx(ref_aggregate(tok, m, "token_mean"), rel=1e-12)
 
 
@@ -178,10 +176,8 @@ def test_kl_and_entropy_terms_match_reference(est):
     kl = [[ref_kl(lp[b][t], rl[b][t], est) if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
     for agg in ("token_mean", "seq_mean", "constant"):
         expect = ref_aggregate(pg, m, agg) + 0.05 * ref_aggregate(kl, m, agg) - 0.01 * ref_aggregate(en, m, agg)
-        loss, met = policy_loss(
-            logp, old, adv, mask, ref_logprobs=ref_lp, entropy=ent, kl_coef=0.05, kl_estimator=est,
-            entropy_coef=0.01, aggregation=agg,
-        )
+        cfg = loss_cfg(kl_coef=0.05, kl_estimator=est, entropy_coef=0.01, aggregation=agg)
+        loss, met = policy_loss(cfg, logp, old, adv, mask, ref_logprobs=ref_lp, entropy=ent)
         assert loss.item() == pytest.approx(expect, rel=1e-12)
     n = sum(1 for b in range(B) for t in range(T) if m[b][t])
     assert met["loss/kl"] == pytest.approx(sum(kl[b][t] for b in range(B) for t in range(T) if m[b][t]) / n)
@@ -280,7 +276,7 @@ def test_cispo_gradient_is_stopgrad_weight_times_advantage_times_grad_logprob():
     logp = token_logprobs(x @ theta, targets)
     old = (logp + torch.randn(B, T, generator=g, dtype=F64) * 0.5).detach()
     adv = torch.randn(B, T, generator=g, dtype=F64)
-    loss, _ = policy_loss(logp, old, adv, mask, kind="cispo", cispo_eps_high=0.2)
+    loss, _ = policy_loss(loss_cfg("cispo", {"eps_high": 0.2}), logp, old, adv, mask)
     (got,) = torch.autograd.grad(loss, theta, retain_graph=True)
     expect = torch.zeros_like(theta)
     n = int(mask.sum())
@@ -303,8 +299,8 @@ def test_fully_masked_batch_and_garbage_off_mask(kind, agg):
     logp = torch.full((B, T), -1.0, dtype=F64, requires_grad=True)
     garbage = torch.tensor([[math.nan, math.inf, -math.inf, 1e30]] * B, dtype=F64)
     # nothing on the mask: loss 0, gradient 0
-    loss, met = policy_loss(logp, garbage, garbage, torch.zeros(B, T), kind=kind, aggregation=agg,
-                            ref_logprobs=garbage, entropy=garbage, kl_coef=0.1, entropy_coef=0.1)
+    cfg = loss_cfg(kind, aggregation=agg, kl_coef=0.1, entropy_coef=0.1)
+    loss, met = policy_loss(cfg, logp, garbage, garbage, torch.zeros(B, T), ref_logprobs=garbage, entropy=garbage)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
     assert all(math.isfinite(v) for v in met.values())
@@ -315,27 +311,25 @@ def test_fully_masked_batch_and_garbage_off_mask(kind, agg):
     old = torch.tensor([[-1.2, math.nan, math.inf, -1e30]] * B, dtype=F64)
     adv = torch.tensor([[0.5, math.nan, math.inf, 1.0]] * B, dtype=F64)
     weights = torch.tensor([[0.7, math.nan, math.inf, 1e30]] * B, dtype=F64)
-    loss, met = policy_loss(logp2, old, adv, mask, kind=kind, aggregation=agg, weights=weights,
-                            ref_logprobs=old, entropy=adv, kl_coef=0.1, entropy_coef=0.1)
+    loss, met = policy_loss(cfg, logp2, old, adv, mask, weights=weights, ref_logprobs=old, entropy=adv)
     loss.backward()
     assert math.isfinite(loss.item()) and bool(torch.isfinite(logp2.grad).all())
     assert logp2.grad[:, 1:].abs().sum().item() == 0.0
 
 
-def test_loss_config_fields_are_policy_loss_keywords():
+def test_policy_loss_takes_the_config_section_and_refuses_what_it_cannot_compute():
     logp, old, adv, mask = batch(8)
-    cfg = LossConfig(kind="cispo", aggregation="seq_mean")
-    loss, met = policy_loss(logp, old, adv, mask, **cfg.model_dump())
-    ref, _ = policy_loss(logp, old, adv, mask, kind="cispo", aggregation="seq_mean")
-    assert loss.item() == ref.item()
+    loss, met = policy_loss(LossConfig(kind="cispo", aggregation="seq_mean"), logp, old, adv, mask)
+    tok, _ = cispo_token_loss(logp, old, adv)
+    assert loss.item() == aggregate(tok, mask, "seq_mean").item()
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(logp, old, adv, mask, kl_coef=0.1)
+        policy_loss(loss_cfg(kl_coef=0.1), logp, old, adv, mask)
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(logp, old, adv, mask, entropy_coef=0.1)
-    with pytest.raises(ValueError, match="unknown policy loss .reinforce."):
-        policy_loss(logp, old, adv, mask, kind="reinforce")
-    with pytest.raises(ValueError, match="dual_clip"):
-        policy_loss(logp, old, adv, mask, dual_clip=0.5)
+        policy_loss(loss_cfg(entropy_coef=0.1), logp, old, adv, mask)
+    with pytest.raises(ConfigError, match="train.loss.kind: unknown policy loss .reinforce."):
+        policy_loss(loss_cfg("reinforce"), logp, old, adv, mask)
+    with pytest.raises(ConfigError, match="train.loss.settings.dual_clip: Input should be greater than 1"):
+        policy_loss(loss_cfg("ppo", {"dual_clip": 0.5}), logp, old, adv, mask)
 
 
 # ---------------------------------------------------------------- from logits
@@ -366,7 +360,7 @@ def test_token_logprobs_and_entropy_from_logits():
     assert entropy_from_logits(logits.detach().bfloat16()).dtype == torch.float32
     # logits route through policy_loss for the entropy bonus
     mask = torch.ones(B, T)
-    _, met = policy_loss(lp.detach(), lp.detach(), torch.zeros(B), mask, logits=logits.detach(), entropy_coef=0.1)
+    _, met = policy_loss(loss_cfg(entropy_coef=0.1), lp.detach(), lp.detach(), torch.zeros(B), mask, logits=logits.detach())
     assert met["loss/entropy"] == pytest.approx(ent.mean().item())
 
 
@@ -425,3 +419,14 @@ def test_aggregate_float_mask_and_bool_mask():
     assert aggregate(v, bm, "seq_mean").item() == pytest.approx((1.5 + 4) / 2)
     with pytest.raises(ValueError, match="aggregation"):
         aggregate(v, bm, "sum")
+
+
+def test_one_importance_ratio_and_one_clamp_for_losses_and_corrections():
+    """train/ratio.py is the only place that defines the ratio and its clamp (losses, policy losses and
+    corrections all import it)."""
+    train = Path(__file__).resolve().parents[1] / "src" / "arborl" / "train"
+    defining = sorted(f.name for f in train.glob("*.py")
+                      if re.search(r"^(LOG_RATIO_CLAMP\s*=|def _?ratio\(|def importance_ratio\()", f.read_text(), re.M))
+    assert defining == ["ratio.py"]
+    for name in ("losses.py", "policy_losses.py", "corrections.py"):
+        assert "from arborl.train.ratio import" in (train / name).read_text()

@@ -1,19 +1,25 @@
 """GSPO, GMPO, SAPO, Clip-Cov, KL-Cov and IPA (train/policy_losses.py) against float64 references written
 here: the papers' sequence / chunk-level objectives as plain per-sample loops in torch float64 (so their
-gradients come from autograd on a different formula), and one test per loss knob that it changes the
-gradient of its loss and of no other."""
+gradients come from autograd on a different formula), one test per loss setting that it changes the
+gradient of its loss, and that a setting is refused under a kind it does not belong to."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
-from arborl.config import LossConfig
-from arborl.train.losses import POLICY_LOSSES, policy_loss
+from arborl.config import ConfigError, LossConfig
+from arborl.train.losses import policy_loss
+from arborl.train.policy_losses import POLICY_LOSSES
 
 F64 = torch.float64
+
+
+def loss_cfg(kind: str, settings: dict | None = None, **shared) -> LossConfig:
+    return LossConfig(kind=kind, settings=settings or {}, **shared)
 
 
 def data(seed: int, B: int = 5, T: int = 10, spread: float = 0.3, per_sample_adv: bool = True):
@@ -149,8 +155,8 @@ def ref_ipa(logp, old, adv, mask, chunks, rollout, el, eh, H, sides):
 @pytest.mark.parametrize("el, eh", [(3e-4, 4e-4), (0.05, 0.1), (0.5, 2.0)])
 def test_gspo_matches_sequence_level_reference(seed, el, eh):
     logp, old, adv, mask, *_ = data(seed, spread=0.1)
-    loss, met = policy_loss(logp, old, adv, mask, kind="gspo", gspo_clip_low=el, gspo_clip_high=eh,
-                            aggregation="seq_mean")
+    loss, met = policy_loss(loss_cfg("gspo", dict(clip_low=el, clip_high=eh), aggregation="seq_mean"),
+                            logp, old, adv, mask)
     ref = ref_gspo(logp, old, adv, mask, el, eh)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-14)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-10, atol=1e-13)
@@ -166,8 +172,8 @@ def test_gspo_matches_sequence_level_reference(seed, el, eh):
 @pytest.mark.parametrize("el, eh", [(0.4, 0.4), (0.05, 0.2), (1.0, 0.01)])
 def test_gmpo_matches_geometric_mean_reference(seed, el, eh):
     logp, old, adv, mask, *_ = data(seed, spread=0.4)
-    loss, met = policy_loss(logp, old, adv, mask, kind="gmpo", gmpo_clip_low=el, gmpo_clip_high=eh,
-                            aggregation="seq_mean")
+    loss, met = policy_loss(loss_cfg("gmpo", dict(clip_low=el, clip_high=eh), aggregation="seq_mean"),
+                            logp, old, adv, mask)
     ref = ref_gmpo(logp, old, adv, mask, el, eh)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-11, abs=1e-14)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-9, atol=1e-12)
@@ -177,8 +183,8 @@ def test_gmpo_matches_geometric_mean_reference(seed, el, eh):
 @pytest.mark.parametrize("tp, tn", [(1.0, 1.05), (0.3, 4.0)])
 def test_sapo_matches_reference(seed, tp, tn):
     logp, old, adv, mask, *_ = data(seed, spread=0.6, per_sample_adv=False)
-    loss, met = policy_loss(logp, old, adv, mask, kind="sapo", sapo_tau_pos=tp, sapo_tau_neg=tn,
-                            aggregation="seq_mean")
+    loss, met = policy_loss(loss_cfg("sapo", dict(tau_pos=tp, tau_neg=tn), aggregation="seq_mean"),
+                            logp, old, adv, mask)
     ref = ref_sapo(logp, old, adv, mask, tp, tn)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-10, atol=1e-13)
@@ -195,8 +201,7 @@ def cov_data(seed: int):
 @pytest.mark.parametrize("frac, lb, ub", [(2e-4, 1.0, 5.0), (0.1, 1.0, 5.0), (0.3, -1.0, 2.0)])
 def test_clip_cov_matches_reference(seed, frac, lb, ub):
     logp, old, adv, mask = cov_data(seed)
-    loss, met = policy_loss(logp, old, adv, mask, kind="clip_cov", cov_clip_frac=frac, cov_clip_lb=lb,
-                            cov_clip_ub=ub)
+    loss, met = policy_loss(loss_cfg("clip_cov", dict(frac=frac, lb=lb, ub=ub)), logp, old, adv, mask)
     ref, picked = ref_clip_cov(logp, old, adv, mask, 0.2, 0.28, frac, lb, ub)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-10, atol=1e-13)
@@ -207,7 +212,7 @@ def test_clip_cov_matches_reference(seed, frac, lb, ub):
 @pytest.mark.parametrize("frac, coef", [(2e-4, 1.0), (0.2, 0.5), (1.0, 3.0)])
 def test_kl_cov_matches_reference(seed, frac, coef):
     logp, old, adv, mask = cov_data(seed)
-    loss, met = policy_loss(logp, old, adv, mask, kind="kl_cov", kl_cov_frac=frac, kl_cov_coef=coef)
+    loss, met = policy_loss(loss_cfg("kl_cov", dict(frac=frac, coef=coef)), logp, old, adv, mask)
     ref, picked = ref_kl_cov(logp, old, adv, mask, frac, coef)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-10, atol=1e-13)
@@ -222,8 +227,8 @@ def test_ipa_matches_chunk_level_reference(seed, el, eh, H, sides):
     # chunk advantages: one value per (sample, chunk), as chunk_returns gives
     adv = torch.where(chunks == 0, adv[:, :1], adv[:, -1:])
     rollout = logp.detach() + (rollout - logp.detach()) * 2  # chunk mismatches on both sides of 1
-    loss, met = policy_loss(logp, old, adv, mask, kind="ipa", chunk_ids=chunks, rollout_logprobs=rollout,
-                            ipa_clip_low=el, ipa_clip_high=eh, ipa_mask_threshold=H, ipa_mask_sides=sides)
+    cfg = loss_cfg("ipa", dict(clip_low=el, clip_high=eh, mask_threshold=H, mask_sides=sides))
+    loss, met = policy_loss(cfg, logp, old, adv, mask, chunk_ids=chunks, rollout_logprobs=rollout)
     ref, masked = ref_ipa(logp, old, adv, mask, chunks, rollout, el, eh, H, sides)
     assert loss.item() == pytest.approx(float(ref.detach()), rel=1e-12)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(ref, logp), rtol=1e-10, atol=1e-13)
@@ -235,7 +240,7 @@ def test_ipa_matches_chunk_level_reference(seed, el, eh, H, sides):
 def test_ipa_needs_chunks_and_rollout_logprobs():
     logp, old, adv, mask, chunks, rollout = data(0)
     with pytest.raises(ValueError, match="chunk_ids and rollout_logprobs"):
-        policy_loss(logp, old, adv, mask, kind="ipa")
+        policy_loss(loss_cfg("ipa"), logp, old, adv, mask)
 
 
 # ---------------------------------------------------------------- on-policy: ratio 1 gives the PPO gradient
@@ -246,66 +251,89 @@ def test_ipa_needs_chunks_and_rollout_logprobs():
 def test_on_policy_every_clipping_kind_gives_the_policy_gradient(kind, agg):
     logp, _, adv, mask, *_ = data(4, per_sample_adv=False)
     old = logp.detach()
-    want = grad_of(policy_loss(logp, old, adv, mask, kind="ppo", aggregation=agg)[0], logp)
-    got = grad_of(policy_loss(logp, old, adv, mask, kind=kind, aggregation=agg)[0], logp)
+    want = grad_of(policy_loss(loss_cfg("ppo", aggregation=agg), logp, old, adv, mask)[0], logp)
+    got = grad_of(policy_loss(loss_cfg(kind, aggregation=agg), logp, old, adv, mask)[0], logp)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-# ---------------------------------------------------------------- every knob changes its loss, and only its loss
+# ---------------------------------------------------------------- every setting changes its loss; settings are per kind
 
-# (knob, kind it belongs to, another value, inert at ratio 1)
-KNOBS = [
-    ("clip_low", "ppo", 0.02, True),
-    ("clip_high", "ppo", 0.02, True),
-    ("dual_clip", "ppo", 1.05, True),
-    ("cispo_eps_high", "cispo", 0.02, True),
-    ("cispo_eps_low", "cispo", 0.02, True),
-    ("gspo_clip_low", "gspo", 0.3, True),
-    ("gspo_clip_high", "gspo", 0.3, True),
-    ("gmpo_clip_low", "gmpo", 0.02, True),
-    ("gmpo_clip_high", "gmpo", 0.02, True),
-    ("sapo_tau_pos", "sapo", 5.0, True),
-    ("sapo_tau_neg", "sapo", 5.0, True),
-    ("cov_clip_frac", "clip_cov", 0.3, False),
-    ("cov_clip_lb", "clip_cov", 4.9, False),
-    ("cov_clip_ub", "clip_cov", 1.2, False),
-    ("kl_cov_frac", "kl_cov", 0.3, True),
-    ("kl_cov_coef", "kl_cov", 4.0, True),
-    ("ipa_clip_low", "ipa", 0.02, True),
-    ("ipa_clip_high", "ipa", 0.02, True),
-    ("ipa_mask_threshold", "ipa", 1.05, False),
-    ("ipa_mask_sides", "ipa", "both", False),
+# (kind, setting, another value, inert at ratio 1)
+SETTINGS = [
+    ("ppo", "clip_low", 0.02, True),
+    ("ppo", "clip_high", 0.02, True),
+    ("ppo", "dual_clip", 1.05, True),
+    ("cispo", "eps_high", 0.02, True),
+    ("cispo", "eps_low", 0.02, True),
+    ("gspo", "clip_low", 0.3, True),
+    ("gspo", "clip_high", 0.3, True),
+    ("gmpo", "clip_low", 0.02, True),
+    ("gmpo", "clip_high", 0.02, True),
+    ("sapo", "tau_pos", 5.0, True),
+    ("sapo", "tau_neg", 5.0, True),
+    ("clip_cov", "clip_low", 0.02, True),
+    ("clip_cov", "clip_high", 0.02, True),
+    ("clip_cov", "frac", 0.3, False),
+    ("clip_cov", "lb", 4.9, False),
+    ("clip_cov", "ub", 1.2, False),
+    ("kl_cov", "frac", 0.3, True),
+    ("kl_cov", "coef", 4.0, True),
+    ("ipa", "clip_low", 0.02, True),
+    ("ipa", "clip_high", 0.02, True),
+    ("ipa", "mask_threshold", 1.05, False),
+    ("ipa", "mask_sides", "both", False),
 ]
 
 
-def knob_grad(kind: str, knob: str | None, value, on_policy: bool = False) -> torch.Tensor:
+def setting_grad(kind: str, settings: dict, on_policy: bool = False) -> torch.Tensor:
     logp, old, adv, mask, chunks, rollout = data(7, B=8, T=12, spread=0.5, per_sample_adv=False)
     adv = adv * 1.5
     rollout = logp.detach() + (rollout - logp.detach()) * 2.5  # chunk mismatches beyond H = 2 on both sides
     if on_policy:
         old = logp.detach()
-    extra = {knob: value} if knob else {}
-    loss, _ = policy_loss(logp, old, adv, mask, kind=kind, chunk_ids=chunks, rollout_logprobs=rollout, **extra)
+    loss, _ = policy_loss(loss_cfg(kind, settings), logp, old, adv, mask, chunk_ids=chunks, rollout_logprobs=rollout)
     return grad_of(loss, logp)
 
 
-@pytest.mark.parametrize("knob, kind, value, inert", KNOBS)
-def test_each_loss_knob_changes_its_gradient_and_no_other(knob, kind, value, inert):
-    assert knob in LossConfig.model_fields
-    changed = not torch.allclose(knob_grad(kind, knob, value), knob_grad(kind, None, None))
-    assert changed, f"{knob} is inert for {kind}"
-    for other in POLICY_LOSSES._items:
-        if other != kind and not (knob.startswith("clip_") and other == "clip_cov"):
-            torch.testing.assert_close(knob_grad(other, knob, value), knob_grad(other, None, None), rtol=0, atol=0)
-    # what the knob's description says about ratio 1 (one optimiser step with old_logprobs=trainer)
-    same = torch.allclose(knob_grad(kind, knob, value, on_policy=True), knob_grad(kind, None, None, on_policy=True))
+def test_the_table_lists_every_setting_of_every_registered_loss():
+    listed = {(kind, name) for kind, name, *_ in SETTINGS}
+    declared = set()
+    for kind in POLICY_LOSSES.names():
+        model = getattr(POLICY_LOSSES.get(kind), "Settings", None)
+        declared |= {(kind, name) for name in (model.model_fields if model is not None else {})}
+    assert listed == declared
+
+
+@pytest.mark.parametrize("kind, name, value, inert", SETTINGS)
+def test_each_setting_changes_its_gradient_and_is_refused_under_another_kind(kind, name, value, inert):
+    changed = not torch.allclose(setting_grad(kind, {name: value}), setting_grad(kind, {}))
+    assert changed, f"{name} is inert for {kind}"
+    # what the setting's description says about ratio 1 (one optimiser step with old_logprobs=trainer)
+    same = torch.allclose(setting_grad(kind, {name: value}, on_policy=True), setting_grad(kind, {}, on_policy=True))
     assert same == inert
+    for other in POLICY_LOSSES.names():
+        fields = getattr(POLICY_LOSSES.get(other), "Settings", None)
+        if fields is None or name not in fields.model_fields:
+            with pytest.raises(ConfigError, match=f"train.loss.settings.{name}: not a setting of train.loss.kind={other}"):
+                setting_grad(other, {name: value})
 
 
-def test_every_loss_config_field_is_a_policy_loss_keyword():
+def test_every_registered_loss_runs_with_its_default_settings():
     logp, old, adv, mask, chunks, rollout = data(0)
-    for kind in POLICY_LOSSES._items:
-        cfg = LossConfig(kind=kind)
-        loss, met = policy_loss(logp, old, adv, mask, chunk_ids=chunks, rollout_logprobs=rollout, **cfg.model_dump())
+    for kind in POLICY_LOSSES.names():
+        loss, met = policy_loss(loss_cfg(kind), logp, old, adv, mask, chunk_ids=chunks, rollout_logprobs=rollout)
         assert math.isfinite(loss.item()) and all(math.isfinite(v) for v in met.values())
         assert met["loss/ratio_std"] > 0
+
+
+def test_a_loss_settings_defaults_are_its_functions_defaults():
+    """The settings model is what the trainer passes; the function's own defaults serve direct calls: one value."""
+    for kind in POLICY_LOSSES.names():
+        fn = POLICY_LOSSES.get(kind)
+        model = getattr(fn, "Settings", None)
+        if model is None:
+            continue
+        params = inspect.signature(fn).parameters
+        for name, field in model.model_fields.items():
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (kind, name)
+            assert params[name].default == field.default, (kind, name)

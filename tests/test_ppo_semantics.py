@@ -71,7 +71,9 @@ def with_rollout_logprobs(samples: list[Sample], policy, shift: float = 0.0) -> 
 
 
 def step(samples, **cfg) -> tuple[dict[str, float], torch.Tensor, Trainer]:
-    loss = {k[5:]: cfg.pop(k) for k in list(cfg) if k.startswith("loss_")}
+    loss = {k[5:]: cfg.pop(k) for k in list(cfg) if k.startswith("loss_")}  # loss_kind, loss_<its setting>
+    shared = {k: v for k, v in loss.items() if k in LossConfig.model_fields}
+    loss = {**shared, "settings": {k: v for k, v in loss.items() if k not in shared}}
     cfg.setdefault("packing", "flat")  # the cheapest forward on a busy CPU; packing is tested elsewhere
     t = Trainer(model(), TrainConfig(grad_clip=0.0, lr=cfg.pop("lr", LR), loss=LossConfig(**loss), **cfg))
     metrics = t.train_step(samples)
@@ -96,7 +98,7 @@ def test_on_policy_one_step_every_kind_and_clip_gives_the_same_gradient():
     assert m["loss/approx_kl"] == 0.0 and m["loss/clip_frac"] == 0.0 and m["train/optimizer_steps"] == 1
     for kind, knobs in [
         ("ppo", {"loss_clip_low": 0.01, "loss_clip_high": 0.01, "loss_dual_clip": 1.01}),
-        ("cispo", {"loss_cispo_eps_high": 0.0, "loss_cispo_eps_low": 0.5}), ("gspo", {}), ("gmpo", {}), ("sapo", {}),
+        ("cispo", {"loss_eps_high": 0.0, "loss_eps_low": 0.5}), ("gspo", {}), ("gmpo", {}), ("sapo", {}),
         ("kl_cov", {}), ("ipa", {}),
     ]:
         _, got, _ = step(samples, loss_kind=kind, **knobs)

@@ -21,7 +21,7 @@ def tiny_cfg(tmp_path, name: str, *extra: str):
         "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
         "engine.max_seq_len=512", "engine.max_batch_size=16",
         "rollout.task=even_tokens", "rollout.batch_tasks=4", "rollout.group_size=4", "rollout.max_tokens=8",
-        "rollout.eval_tasks=8", "train.lr=0.1", "train.loss.clip_high=0.2", *extra,
+        "rollout.eval_tasks=8", "train.lr=0.1", "train.loss.settings.clip_high=0.2", *extra,
     ])
 
 

@@ -1,4 +1,4 @@
-"""Trainer: micro-batching, packing modes, resume equivalence, LoRA publishing."""
+"""Trainer: micro-batching (sized and packed once per step), packing modes, resume equivalence, LoRA publishing."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import random
 import pytest
 import torch
 
+import arborl.train.trainer as trainer_module
 from arborl.config import TrainConfig
 from arborl.models import tiny_llama
+from arborl.prefix import RadixTree
 from arborl.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from arborl.train.packing import pack
 from arborl.train.trainer import Trainer, micro_batches
 from arborl.types import Sample
 
@@ -48,12 +51,88 @@ def params_of(m) -> torch.Tensor:
 def test_micro_batches_keep_groups_together_and_respect_budget():
     s = make_samples(1, groups=3, size=4)
     for budget in (1, 20, 40, 10_000):
-        mbs = micro_batches(s, budget)
-        assert sorted(i for mb in mbs for i in mb) == list(range(len(s)))
-        for mb in mbs:
-            assert len(mb) == 1 or sum(len(s[i].token_ids) for i in mb) <= budget
-            groups = [s[i].group_id for i in mb]
-            assert groups == sorted(groups)
+        for tree in (False, True):
+            mbs = micro_batches(s, budget, tree=tree)
+            assert sorted(i for mb, _ in mbs for i in mb) == list(range(len(s)))
+            for mb, prefixes in mbs:
+                fresh: RadixTree[None] = RadixTree()
+                for i in mb:
+                    fresh.insert(s[i].token_ids)
+                computed = fresh.total_tokens if tree else sum(len(s[i].token_ids) for i in mb)
+                assert len(mb) == 1 or computed <= budget
+                groups = [s[i].group_id for i in mb]
+                assert groups == sorted(groups)
+                if tree:  # the tree that sized the micro-batch is the one of exactly its samples (pack reuses it)
+                    assert prefixes.sequences() == fresh.sequences()
+                    assert prefixes.total_tokens == fresh.total_tokens
+                else:
+                    assert prefixes is None
+
+
+class RepackingTrainer(Trainer):
+    """The trainer as it was before packing once per step: every pass packs its micro-batches afresh
+    (building their prefix trees again), and the proximal forward micro-batches the whole batch anew."""
+
+    def train_step(self, samples):
+        self.samples = samples
+        return super().train_step(samples)
+
+    def _micro_step(self, samples, rows, batch, *rest):
+        cfg = self.cfg
+        fresh = pack([samples[i].token_ids for i in rows], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
+                     min_saving=cfg.packing_min_saving)
+        return super()._micro_step(samples, rows, fresh, *rest)
+
+    @torch.no_grad()
+    def _logprobs(self, plans):
+        cfg, out = self.cfg, {}
+        for idx, _ in micro_batches(self.samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
+            batch = pack([self.samples[i].token_ids for i in idx], mode=cfg.packing,
+                         token_budget=cfg.micro_batch_tokens, min_saving=cfg.packing_min_saving)
+            for i, lp in zip(idx, self._forward(batch)):
+                out[i] = lp.detach()
+        return out
+
+
+@pytest.mark.parametrize("knobs, exact", [
+    (dict(ppo_epochs=3, packing="tree", micro_batch_tokens=24), True),
+    (dict(ppo_epochs=2, packing="auto", micro_batch_tokens=30, decoupled=True), True),
+    (dict(ppo_epochs=2, packing="flat", micro_batch_tokens=20, old_logprobs="rollout"), True),
+    # several parts: pi_old now comes from each part's own packed forward, not from a whole-batch
+    # micro-batching, so it equals the first step's log-probs exactly; float32 rounding differs (~1e-7)
+    (dict(ppo_epochs=2, minibatches=2, packing="tree", micro_batch_tokens=30), False),
+])
+def test_micro_batches_are_packed_once_per_step_with_the_same_loss_and_grads(monkeypatch, knobs, exact):
+    samples = make_samples(5, groups=3, size=3)
+    cfg = TrainConfig(lr=1e-2, grad_clip=0.0, **knobs)
+    calls = []
+
+    def counted_pack(*args, **kw):
+        calls.append(kw.get("tree"))
+        return pack(*args, **kw)
+
+    monkeypatch.setattr(trainer_module, "pack", counted_pack)
+    once = Trainer(model(), cfg)
+    got = once.train_step(samples)
+    micro = sum(len(micro_batches([samples[i] for i in part], cfg.micro_batch_tokens, tree=cfg.packing != "flat"))
+                for part in trainer_module.minibatch_split(samples, cfg.minibatches))
+    assert len(calls) == micro  # once per micro-batch, whatever ppo_epochs and the proximal forward
+    assert all((t is None) == (cfg.packing == "flat") for t in calls)  # with the tree that sized it
+    monkeypatch.undo()
+
+    again = RepackingTrainer(model(), cfg)
+    want = again.train_step(samples)
+    got_grads = torch.cat([p.grad.flatten() for p in once.params])
+    want_grads = torch.cat([p.grad.flatten() for p in again.params])
+    for key in ("train/step_s",):
+        got.pop(key), want.pop(key)
+    if exact:
+        assert torch.equal(got_grads, want_grads) and torch.equal(params_of(once.model), params_of(again.model))
+        assert got == want
+    else:
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(params_of(once.model), params_of(again.model), rtol=0, atol=1e-5)
+        assert got.keys() == want.keys() and got["loss/total"] == pytest.approx(want["loss/total"], rel=1e-5)
 
 
 @pytest.mark.parametrize("packing", ["flat", "tree"])

@@ -100,7 +100,7 @@ def test_same_hyperparameters(tmp_path):
     assert args["learning_rate"] == t.lr and args["lr_scheduler_type"] == "constant"
     assert args["max_grad_norm"] == t.grad_clip and args["weight_decay"] == t.weight_decay == 0.0
     assert (args["adam_beta1"], args["adam_beta2"]) == tuple(t.betas) and args["adam_epsilon"] == t.adam_eps
-    assert args["epsilon"] == t.loss.clip_low and args["epsilon_high"] == t.loss.clip_high
+    assert args["epsilon"] == t.loss.settings["clip_low"] and args["epsilon_high"] == t.loss.settings["clip_high"]
     assert args["beta"] == t.loss.kl_coef == 0.0
     assert args["loss_type"] == "dapo" and t.loss.aggregation == "token_mean"
     assert args["scale_rewards"] == "group" and t.advantage.std_normalize

@@ -341,95 +341,42 @@ class AdvantageConfig(Section):
     )
 
 
+# the flat loss keys of before train.loss.settings: old key -> (the kinds it belonged to, its name there)
+MOVED_LOSS_KEYS: dict[str, tuple[str, str]] = {
+    "clip_low": ("ppo, clip_cov", "clip_low"), "clip_high": ("ppo, clip_cov", "clip_high"), "dual_clip": ("ppo", "dual_clip"),
+    "cispo_eps_high": ("cispo", "eps_high"), "cispo_eps_low": ("cispo", "eps_low"),
+    "gspo_clip_low": ("gspo", "clip_low"), "gspo_clip_high": ("gspo", "clip_high"),
+    "gmpo_clip_low": ("gmpo", "clip_low"), "gmpo_clip_high": ("gmpo", "clip_high"),
+    "sapo_tau_pos": ("sapo", "tau_pos"), "sapo_tau_neg": ("sapo", "tau_neg"),
+    "cov_clip_frac": ("clip_cov", "frac"), "cov_clip_lb": ("clip_cov", "lb"), "cov_clip_ub": ("clip_cov", "ub"),
+    "kl_cov_frac": ("kl_cov", "frac"), "kl_cov_coef": ("kl_cov", "coef"),
+    "ipa_clip_low": ("ipa", "clip_low"), "ipa_clip_high": ("ipa", "clip_high"),
+    "ipa_mask_threshold": ("ipa", "mask_threshold"), "ipa_mask_sides": ("ipa", "mask_sides"),
+}
+
+
 class LossConfig(Section):
-    """The policy-gradient loss (train/losses.py); field names are policy_loss's keyword arguments."""
+    """The policy-gradient loss (train/losses.py): the kind, its own settings, and the terms every kind shares."""
 
     kind: str = Field(
         "ppo",
-        description="policy-gradient token loss (registry train.losses.POLICY_LOSSES): ppo = token-level PPO-clip; "
-        "cispo = MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob; gspo = sequence-level ratio "
-        "(geometric mean per sample), clipped; gmpo = geometric mean of the token ratios clipped in log space; "
-        "sapo = sigmoid soft gate instead of the clip; clip_cov / kl_cov = PPO / plain PG with the few highest "
-        "log-prob x advantage covariance tokens detached / KL-penalised (Cui et al. 2025); ipa = ROLL's chunk-level "
-        "ratio with a chunk mismatch mask (C4); or a path to your own, package.module:attr or path/to/file.py:attr. "
-        "Every clip/gate acts only where the ratio differs from 1: with one optimiser step per batch and "
-        "train.old_logprobs=trainer (the defaults) the ratio is 1 and every kind gives the PPO gradient, except "
-        "clip_cov (its selected tokens are detached anyway) and ipa (its mismatch mask compares with the rollout)",
+        description="policy-gradient token loss (registry train.policy_losses.POLICY_LOSSES): ppo = token-level "
+        "PPO-clip; cispo = MiniMax-M1's clipped IS weight (stop-gradient) x advantage x log-prob; gspo = "
+        "sequence-level ratio (geometric mean per sample), clipped; gmpo = geometric mean of the token ratios clipped "
+        "in log space; sapo = sigmoid soft gate instead of the clip; clip_cov / kl_cov = PPO / plain PG with the few "
+        "highest log-prob x advantage covariance tokens detached / KL-penalised (Cui et al. 2025); ipa = ROLL's "
+        "chunk-level ratio with a chunk mismatch mask (C4); sft = negative log-likelihood; or a path to your own, "
+        "package.module:attr or path/to/file.py:attr. Every clip/gate acts only where the ratio differs from 1: with "
+        "one optimiser step per batch and train.old_logprobs=trainer (the defaults) the ratio is 1 and every kind "
+        "gives the PPO gradient, except clip_cov (its selected tokens are detached anyway) and ipa (its mismatch mask "
+        "compares with the rollout)",
     )
-    clip_low: float = Field(
-        0.2, ge=0, lt=1, description="PPO and clip_cov: ratio lower clip 1 - clip_low (ratio units; inert while the ratio is 1, see kind)"
-    )
-    clip_high: float = Field(
-        0.28, ge=0, description="PPO and clip_cov: ratio upper clip 1 + clip_high (ratio units; > clip_low is DAPO's "
-        "clip-higher; inert while the ratio is 1, see kind)"
-    )
-    dual_clip: float | None = Field(
-        None, gt=1, description="PPO dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c|A| "
-        "(None = off; inert while the ratio is 1, see kind)"
-    )
-    cispo_eps_high: float = Field(
-        0.28, ge=0, description="CISPO: the IS weight is clipped at 1 + cispo_eps_high (ratio units; only kind=cispo, "
-        "inert while the ratio is 1)"
-    )
-    cispo_eps_low: float | None = Field(
-        None, ge=0, lt=1, description="CISPO: lower clip 1 - cispo_eps_low of the IS weight (None = no lower bound, as "
-        "MiniMax; only kind=cispo, inert while the ratio is 1)"
-    )
-    gspo_clip_low: float = Field(
-        3e-4, ge=0, lt=1, description="GSPO: sequence ratio lower clip 1 - gspo_clip_low (ratio units; only kind=gspo; "
-        "the paper's 3e-4; inert while the ratio is 1)"
-    )
-    gspo_clip_high: float = Field(
-        4e-4, ge=0, description="GSPO: sequence ratio upper clip 1 + gspo_clip_high (ratio units; only kind=gspo; "
-        "the paper's 4e-4; inert while the ratio is 1)"
-    )
-    gmpo_clip_low: float = Field(
-        0.4, ge=0, description="GMPO: token log-ratios are clipped below at -gmpo_clip_low (log-ratio units, i.e. ratio "
-        "e^-0.4; only kind=gmpo; inert while the ratio is 1)"
-    )
-    gmpo_clip_high: float = Field(
-        0.4, ge=0, description="GMPO: token log-ratios are clipped above at +gmpo_clip_high (log-ratio units; only "
-        "kind=gmpo; inert while the ratio is 1)"
-    )
-    sapo_tau_pos: float = Field(
-        1.0, gt=0, description="SAPO: gate temperature for positive advantages; larger = faster decay away from ratio 1 "
-        "(only kind=sapo; inert while the ratio is 1, where the gate's slope is 1 for any temperature)"
-    )
-    sapo_tau_neg: float = Field(
-        1.05, gt=0, description="SAPO: gate temperature for negative (and zero) advantages (only kind=sapo; inert while "
-        "the ratio is 1)"
-    )
-    cov_clip_frac: float = Field(
-        2e-4, gt=0, le=1, description="Clip-Cov: fraction of a micro-batch's loss tokens (at least 1) whose gradient is "
-        "detached: the highest log-prob x advantage covariance among tokens inside [cov_clip_lb, cov_clip_ub] (only kind=clip_cov)"
-    )
-    cov_clip_lb: float = Field(
-        1.0, description="Clip-Cov: a token is a candidate only if its covariance is above this (covariance units; only kind=clip_cov)"
-    )
-    cov_clip_ub: float = Field(
-        5.0, description="Clip-Cov: a token is a candidate only if its covariance is below this (covariance units; only kind=clip_cov)"
-    )
-    kl_cov_frac: float = Field(
-        2e-4, gt=0, le=1, description="KL-Cov: fraction of a micro-batch's loss tokens (at least 1), the highest log-prob x "
-        "advantage covariance, that get the |log ratio| penalty (only kind=kl_cov; inert while the ratio is 1)"
-    )
-    kl_cov_coef: float = Field(
-        1.0, ge=0, description="KL-Cov: weight of the |log pi - log pi_old| penalty on the selected tokens (only "
-        "kind=kl_cov; inert while the ratio is 1, where the penalty's gradient is 0)"
-    )
-    ipa_clip_low: float = Field(
-        0.2, ge=0, lt=1, description="IPA: chunk ratio lower clip 1 - ipa_clip_low (ratio units; only kind=ipa; inert while the ratio is 1)"
-    )
-    ipa_clip_high: float = Field(
-        0.28, ge=0, description="IPA: chunk ratio upper clip 1 + ipa_clip_high (ratio units; only kind=ipa; inert while the ratio is 1)"
-    )
-    ipa_mask_threshold: float = Field(
-        2.0, gt=1, description="IPA: H; a chunk whose train/rollout mismatch (geometric mean of pi_train / pi_rollout "
-        "over its tokens) is above H or below 1/H is masked, on the sides ipa_mask_sides says (ratio units; only kind=ipa)"
-    )
-    ipa_mask_sides: Literal["sign", "both"] = Field(
-        "sign", description="IPA: sign = a positive-advantage chunk is masked when its mismatch > H, a negative one when "
-        "< 1/H (the side where the update would grow); both = either side masks any chunk (only kind=ipa)"
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the chosen kind's own settings, e.g. {clip_low: 0.1, clip_high: 0.3} for ppo or --set "
+        "train.loss.settings.eps_high=0.2 for cispo; each kind's are listed in the section below (a user's loss: the "
+        "fields of its `Settings` pydantic model). Checked against the kind with the other extension knobs, before "
+        "the model loads; unset ones take the kind's defaults",
     )
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (0 = off, no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
@@ -445,6 +392,19 @@ class LossConfig(Section):
     constant_normalizer: int | None = Field(
         None, ge=1, description="L of aggregation=constant (tokens; None = the batch's padded length)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if key in MOVED_LOSS_KEYS:
+                    kinds, name = MOVED_LOSS_KEYS[key]
+                    raise ValueError(
+                        f"{key} moved: set train.loss.settings.{name} (a setting of train.loss.kind {kinds}; each kind "
+                        "has its own settings now, docs/knobs.md)"
+                    )
+        return data
 
 
 class CorrectionConfig(Section):

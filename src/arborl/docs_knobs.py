@@ -1,4 +1,5 @@
-"""Generate docs/knobs.md from the config models: ``python -m arborl.docs_knobs > docs/knobs.md``."""
+"""Generate docs/knobs.md from the config models and each loss kind's settings model:
+``python -m arborl.docs_knobs > docs/knobs.md``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pydantic import BaseModel
 
 from arborl.config import Config
 from arborl.extensions import REGISTRY_KNOBS
+from arborl.train.policy_losses import POLICY_LOSSES
 
 
 def _type_name(annotation) -> str:
@@ -23,6 +25,12 @@ def _type_name(annotation) -> str:
     return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
+def _row(key: str, field) -> str:
+    default = json.dumps(field.get_default(call_default_factory=True), default=str)
+    desc = (field.description or "").replace("|", "\\|")
+    return f"| `{key}` | {_type_name(field.annotation)} | `{default}` | {desc} |"
+
+
 def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
     rows, subs = [], []
     for name, field in model.model_fields.items():
@@ -30,24 +38,48 @@ def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             subs.append((f"{prefix}{name}", ann))
             continue
-        default = json.dumps(field.get_default(call_default_factory=True), default=str)
-        desc = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_type_name(ann)} | `{default}` | {desc} |")
+        rows.append(_row(f"{prefix}{name}", field))
     if rows:
         title = prefix.rstrip(".") or "top level"
         doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ and model is not Config else ""
         out += [f"## {title}", ""] + ([doc, ""] if doc else []) + [
             "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+        if title == "train.loss":
+            _loss_settings(out)
     for sub_prefix, sub in subs:
         _section(sub, sub_prefix + ".", out)
+
+
+def _loss_settings(out: list[str]) -> None:
+    """``train.loss.settings`` of each registered loss kind: the fields of its ``Settings`` model."""
+    out += [
+        "### train.loss.settings, per kind",
+        "",
+        "Each loss kind has its own settings (the fields of its `Settings` pydantic model, train/policy_losses.py);",
+        "set those of the chosen kind under `train.loss.settings`, e.g. `--set train.loss.settings.clip_high=0.3`.",
+        "A setting the chosen kind does not have, or a value its model refuses, stops the job before the model",
+        "loads, naming `train.loss.settings.<name>`. A loss of your own (`train.loss.kind=file.py:attr`) declares",
+        "its settings the same way (docs/bring-your-own.md).",
+        "",
+    ]
+    for kind in POLICY_LOSSES.names():
+        model = getattr(POLICY_LOSSES.get(kind), "Settings", None)
+        doc = (model.__doc__ or "").strip().splitlines()[0] if model is not None and model.__doc__ else ""
+        out += [f"#### `train.loss.kind={kind}`", ""]
+        if model is None:
+            out += ["No settings.", ""]
+            continue
+        out += ([doc, ""] if doc else []) + ["| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [_row(f"train.loss.settings.{name}", field) for name, field in model.model_fields.items()] + [""]
 
 
 def render() -> str:
     out = [
         "# Configuration knobs",
         "",
-        "Generated from `src/arborl/config.py` by `make knobs` (`python -m arborl.docs_knobs`); a test fails",
-        "when this file is stale. Set any knob in a YAML file or with `--set key.path=value`.",
+        "Generated from `src/arborl/config.py` (each loss kind's settings from `src/arborl/train/policy_losses.py`)",
+        "by `make knobs` (`python -m arborl.docs_knobs`); a test fails when this file is stale. Set any knob in a",
+        "YAML file or with `--set key.path=value`.",
         "",
         "A `--set` value is YAML: `--set rollout.eval_tasks=16`, `--set rollout.data.system_prompt='Be brief.'`. A",
         "list knob takes one item as it is (`--set rollout.data.train_files=a.jsonl`) or several in brackets,",

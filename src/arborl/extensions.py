@@ -13,7 +13,8 @@ from arborl.rollout.consume import CONSUME_POLICIES
 from arborl.rollout.dispatch import DISPATCH_POLICIES
 from arborl.tasks import TASK_SUITES
 from arborl.tasks.reward_fn import REWARD_FUNCTIONS
-from arborl.train.losses import POLICY_LOSSES
+from arborl.train.losses import resolve_loss
+from arborl.train.policy_losses import POLICY_LOSSES
 
 # knob (dotted key path) -> the registry its value is looked up in
 REGISTRY_KNOBS: dict[str, Registry] = {
@@ -38,9 +39,11 @@ def knob_value(cfg: Config, key: str) -> str:
 
 def check_extensions(cfg: Config) -> None:
     """Resolve every extension knob of ``cfg``; a name that is neither registered nor a loadable path
-    raises ConfigError naming the key."""
+    raises ConfigError naming the key. The loss's settings (``train.loss.settings``) are validated by
+    the chosen kind's own model: a ConfigError names the setting."""
     for key, registry in REGISTRY_KNOBS.items():
         try:
             registry.get(knob_value(cfg, key))
         except RegistryError as e:
             raise ConfigError(f"{key}: {e}") from None
+    resolve_loss(cfg.train.loss)

@@ -121,7 +121,7 @@ def arborl_config(wl: Workload, runs_dir: str):
                     "temperature": wl.temperature, "top_p": 1.0, "max_tokens": wl.max_tokens, "max_turns": 1,
                     "eval_tasks": 0},
         "train": {"lr": wl.lr, "grad_clip": wl.grad_clip, "weight_decay": 0.0, "old_logprobs": "trainer",
-                  "loss": {"kind": "ppo", "clip_low": wl.clip_low, "clip_high": wl.clip_high, "kl_coef": 0.0,
+                  "loss": {"kind": "ppo", "settings": {"clip_low": wl.clip_low, "clip_high": wl.clip_high}, "kl_coef": 0.0,
                            "aggregation": "token_mean"},
                   "advantage": {"estimator": "grpo", "std_normalize": True, "drop_zero_variance": False}},
         "scheduling": {"timeline": False},

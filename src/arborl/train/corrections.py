@@ -41,25 +41,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from arborl.train.ratio import chunk_mean, clamp_log_ratio
+
 Mode = Literal["none", "tis", "mis", "icepop"]
 Level = Literal["token", "sequence", "geometric", "chunk"]
-
-LOG_RATIO_CLAMP = 20.0  # unit log-ratios are clamped to [-20, 20] before exp: no inf weights
-
-
-def chunk_mean(log_ratio: Tensor, m: Tensor, chunk_ids: Tensor) -> Tensor:
-    """Mean of log_ratio over the loss tokens of each (sample, chunk), broadcast back to [B, T]; differentiable
-    in log_ratio (the IPA loss takes its chunk ratio through it)."""
-    c = torch.where(m, torch.as_tensor(chunk_ids, device=log_ratio.device).long(), 0)
-    if bool((c < 0).any()):
-        raise ValueError("chunk_ids of loss tokens must be >= 0")
-    b, _ = m.shape
-    k = int(c.max()) + 1 if c.numel() else 1
-    flat = (torch.arange(b, device=c.device)[:, None] * k + c).reshape(-1)
-    mf = m.to(log_ratio.dtype).reshape(-1)
-    sums = log_ratio.new_zeros(b * k).index_add_(0, flat, log_ratio.reshape(-1) * mf)
-    counts = log_ratio.new_zeros(b * k).index_add_(0, flat, mf)
-    return (sums / counts.clamp(min=1))[flat].reshape(m.shape)
 
 
 def rollout_correction(
@@ -121,7 +106,7 @@ def rollout_correction(
             unit = (log_ratio.sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
         else:
             unit = chunk_mean(log_ratio, m, chunk_ids)
-        rho = torch.exp(unit.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        rho = torch.exp(clamp_log_ratio(unit))
 
         if mode == "none":
             weights = torch.ones_like(rho)
@@ -193,7 +178,7 @@ def decoupled_weights(
     with torch.no_grad():
         m = mask > 0
         log_w = torch.where(m, proximal_logprobs.detach() - behaviour_logprobs.detach(), 0.0)
-        w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        w = torch.exp(clamp_log_ratio(log_w))
         dropped = m & (w > cap) if cap is not None else torch.zeros_like(m)
         w = torch.where(m & ~dropped, w, 0.0)
         n = int(m.sum())

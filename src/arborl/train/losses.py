@@ -1,21 +1,20 @@
-r"""Policy-gradient losses, each a few lines under its formula (CleanRL style).
+r"""The trainer's loss: per-token pieces, aggregation and :func:`policy_loss` (CleanRL style: each a
+few lines under its formula). The registered token losses (``train.loss.kind``: ppo, cispo, gspo, ...)
+and their settings are in :mod:`arborl.train.policy_losses`.
 
 Notation: tensors are batch-first, B samples x T tokens.
 
     logp_t      log pi_theta(o_t | q, o_<t)   current policy (carries the gradient)     [B, T]
     old_logp_t  log pi_old(o_t | q, o_<t)     the policy the ratio is taken against     [B, T]
-    rho_t       exp(logp_t - old_logp_t)      per-token importance ratio
+    rho_t       exp(logp_t - old_logp_t)      per-token importance ratio (train/ratio.py)
     A_t         advantage                     [B, T] (or [B]: one per sample)
     m_t         loss mask, 1 only on model-generated tokens
     w_t         importance weight from :mod:`arborl.train.corrections` (no gradient)
 
-Every ``*_token_loss`` returns a per-token loss to MINIMISE, [B, T]; :func:`aggregate` reduces it
-to the scalar; :func:`policy_loss` is what the trainer calls:
+:func:`aggregate` reduces a per-token loss to the scalar; :func:`policy_loss` is what the trainer calls
+with the config section ``train.loss`` and the tensors:
 
     L = agg(w * l^pg) + kl_coef * agg(k(logp, ref_logp)) - entropy_coef * agg(H)
-
-``policy_loss(..., **cfg.train.loss.model_dump())`` works: its keyword names are the fields of
-:class:`arborl.config.LossConfig`.
 
 Numerics: log-ratios are clamped to [-20, 20] before exp (rho in [2e-9, 5e8]); off-mask positions
 are replaced before any exp and selected away with ``torch.where``, so garbage or inf there can
@@ -24,29 +23,20 @@ never leak a NaN into the loss or its gradient. An all-masked batch gives loss 0
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+import inspect
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
-from arborl.registry import Registry
-from arborl.train.policy_losses import (
-    clip_cov_token_loss,
-    gmpo_token_loss,
-    gspo_token_loss,
-    ipa_token_loss,
-    kl_cov_token_loss,
-    sapo_token_loss,
-)
+from arborl.config import ConfigError, LossConfig
+from arborl.registry import RegistryError
+from arborl.train.policy_losses import POLICY_LOSSES, TokenLoss
+from arborl.train.ratio import clamp_log_ratio, importance_ratio
 
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
 KLEstimator = Literal["k1", "k2", "k3"]
-
-LOG_RATIO_CLAMP = 20.0
-
-
-def _ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
-    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -75,66 +65,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
 
 
-# ----------------------------------------------------------------------------- per-token losses
-
-
-def ppo_clip_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""PPO-clip (Schulman et al. 2017) at token level, asymmetric range (DAPO clip-higher, Yu et
-    al. 2025: eps_high > eps_low keeps exploration tokens alive), optional dual-clip (Ye et al. 2020):
-
-        l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
-        l_t = min(l_t, -c A_t)                        if A_t < 0 and dual_clip = c > 1
-
-    The gradient is zero on the clipped side: A > 0 and rho > 1 + eps_high; A < 0 and rho < 1 - eps_low;
-    A < 0 and rho > c (dual-clip: a bad token far above old policy cannot push an unbounded update).
-    Returns (l [B, T], {"high", "low", "dual"}: bool [B, T] where that clip is active).
-    """
-    ratio = _ratio(logp, old_logp)
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
-    dual = torch.zeros_like(ratio, dtype=torch.bool)
-    if dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
-        dual = (adv < 0) & (ratio > dual_clip)
-    clipped = {"high": (adv > 0) & (ratio > 1.0 + clip_high), "low": (adv < 0) & (ratio < 1.0 - clip_low), "dual": dual}
-    return loss, clipped
-
-
-def cispo_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    *,
-    eps_high: float = 0.28,
-    eps_low: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""CISPO (MiniMax-M1, arXiv:2506.13585, eqs. 4-5):
-
-        J(theta) = E[ 1/sum_i |o_i| * sum_i sum_t sg(r^_{i,t}(theta)) * A^_{i,t} * log pi_theta(o_{i,t} | q, o_{i,<t}) ]
-        r^_{i,t} = clip(r_{i,t}(theta), 1 - eps^IS_low, 1 + eps^IS_high)
-
-    PPO clips the token's update (clipped tokens get no gradient); CISPO clips only the importance
-    WEIGHT, under stop-gradient, so every token keeps its gradient:  grad l_t = -sg(r^_t) A_t grad logp_t.
-    MiniMax imposes no lower bound (eps_low "set to a large value"): ``eps_low=None``. The
-    1/sum|o_i| normaliser is ``aggregation="token_mean"``. The loss VALUE is a surrogate (it moves
-    with logp itself); read its gradient, not its level.
-
-        l_t = -sg(r^_t) * A_t * logp_t
-
-    Returns (l [B, T], {"high", "low"}: bool [B, T] where the weight was clipped).
-    """
-    ratio = _ratio(logp, old_logp).detach()
-    weight = ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
-    loss = -weight * adv * logp
-    low = torch.zeros_like(ratio, dtype=torch.bool) if eps_low is None else ratio < 1.0 - eps_low
-    return loss, {"high": ratio > 1.0 + eps_high, "low": low}
+# ----------------------------------------------------------------------------- KL to the reference
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -146,7 +77,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
         k3 = (r - 1) - log r         unbiased, low variance, >= 0 (GRPO's choice)
     """
     _choice("kl_estimator", estimator, ("k1", "k2", "k3"))
-    log_r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_r = clamp_log_ratio(ref_logp - logp)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
@@ -214,7 +145,61 @@ def _masked_stats(x: Tensor, m: Tensor) -> tuple[float, float, float]:
     return float(v.mean()), float(v.min()), float(v.max())
 
 
+
+
+# the tensors a token loss may ask for by naming them in its signature (besides its settings)
+CONTEXT = ("mask", "chunk_ids", "rollout_logprobs")
+
+
+def _setting_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(["train.loss.settings", *(str(p) for p in e["loc"])])
+        lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def resolve_loss(cfg: LossConfig) -> tuple[TokenLoss, dict[str, Any]]:
+    """The token loss ``cfg.kind`` names and its settings, validated by its ``Settings`` model (defaults
+    filled in), as the keyword arguments it is called with. Raises :class:`ConfigError` naming the key:
+    ``train.loss.kind`` (no such loss) or ``train.loss.settings.<field>`` (not one of the kind's settings,
+    or a value its model refuses)."""
+    try:
+        token_loss = POLICY_LOSSES.get(cfg.kind)
+    except RegistryError as e:
+        raise ConfigError(f"train.loss.kind: {e}") from None
+    model: type[BaseModel] | None = getattr(token_loss, "Settings", None)
+    fields = list(model.model_fields) if model is not None else []
+    unknown = sorted(set(cfg.settings) - set(fields))
+    if unknown:
+        has = f"its settings are {', '.join(fields)}" if fields else (
+            "it has none (a loss declares its own as a pydantic model, its `Settings` attribute)")
+        raise ConfigError(
+            f"train.loss.settings.{unknown[0]}: not a setting of train.loss.kind={cfg.kind}; {has} "
+            "(docs/knobs.md, train.loss.settings)"
+        )
+    if model is None:
+        return token_loss, {}
+    if clash := set(fields) & set(CONTEXT):
+        raise ConfigError(f"train.loss.kind={cfg.kind}: a setting may not be called {', '.join(sorted(clash))} "
+                          "(policy_loss passes that tensor under its name)")
+    try:
+        settings = model.model_validate(cfg.settings)
+    except ValidationError as e:
+        raise ConfigError(_setting_errors(e)) from None
+    return token_loss, {name: getattr(settings, name) for name in fields}
+
+
+def _context(token_loss: TokenLoss, given: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """The tensors of ``given`` the loss's signature names (all of them for a ``**kwargs`` loss)."""
+    params = inspect.signature(token_loss).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return given
+    return {k: v for k, v in given.items() if k in params}
+
+
 def policy_loss(
+    cfg: LossConfig,
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
@@ -224,49 +209,23 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
-    kind: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = None,
-    cispo_eps_high: float = 0.28,
-    cispo_eps_low: float | None = None,
-    gspo_clip_low: float = 3e-4,
-    gspo_clip_high: float = 4e-4,
-    gmpo_clip_low: float = 0.4,
-    gmpo_clip_high: float = 0.4,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    cov_clip_frac: float = 2e-4,
-    cov_clip_lb: float = 1.0,
-    cov_clip_ub: float = 5.0,
-    kl_cov_frac: float = 2e-4,
-    kl_cov_coef: float = 1.0,
-    ipa_clip_low: float = 0.2,
-    ipa_clip_high: float = 0.28,
-    ipa_mask_threshold: float = 2.0,
-    ipa_mask_sides: str = "sign",
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    entropy_coef: float = 0.0,
-    aggregation: Aggregation = "token_mean",
-    constant_normalizer: float | None = None,
     num_tokens: float | None = None,
     num_samples: float | None = None,
     chunk_ids: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    r"""The trainer's loss on one (micro-)batch, and its metrics:
+    r"""The trainer's loss on one (micro-)batch, and its metrics, under the config section ``cfg``
+    (``train.loss``):
 
         L = agg(w * l^pg) + kl_coef * agg(k(logp, ref_logp)) - entropy_coef * agg(H)
 
-    l^pg is the token loss registered as ``kind`` in :data:`POLICY_LOSSES` (ppo:
-    :func:`ppo_clip_token_loss`, cispo: :func:`cispo_token_loss`, gspo, gmpo, sapo, clip_cov, kl_cov,
-    ipa: :mod:`arborl.train.policy_losses`, or a ``module:attr`` path); it receives every loss knob,
-    the bool loss ``mask``, ``chunk_ids`` and the engine's ``rollout_logprobs`` (both [B, T], only
-    the chunk-level loss ipa needs them) as keywords;
-    agg is :func:`aggregate` with ``aggregation`` (and the micro-batch totals ``num_tokens`` /
-    ``num_samples``). w (``weights`` [B, T], e.g. from :func:`arborl.train.corrections.rollout_correction`)
-    multiplies only the policy-gradient term; tokens it zeroes still count in the denominator.
+    l^pg is the token loss registered as ``cfg.kind`` in :data:`POLICY_LOSSES` (or a ``module:attr`` /
+    ``file.py:attr`` path), called with its settings ``cfg.settings`` (:func:`resolve_loss`) and the bool
+    loss ``mask``, ``chunk_ids`` and the engine's ``rollout_logprobs`` (both [B, T]) where its signature
+    names them; agg is :func:`aggregate` with ``cfg.aggregation`` (and the micro-batch totals
+    ``num_tokens`` / ``num_samples``). w (``weights`` [B, T], e.g. from
+    :func:`arborl.train.corrections.rollout_correction`) multiplies only the policy-gradient term; tokens
+    it zeroes still count in the denominator.
 
     Inputs: ``logprobs`` [B, T] with grad; ``old_logprobs``, ``advantages`` ([B, T] or [B]),
     ``weights``, ``ref_logprobs`` are used without gradient; ``entropy`` [B, T] per-token entropies
@@ -278,7 +237,7 @@ def policy_loss(
     whose clip is active; a loss's other masks, e.g. clip_cov's "cov", as loss/<name>_frac),
     loss/approx_kl (k3 KL(old || new)), loss/ratio_mean/min/max/std (token ratios new / old), loss/tokens.
     """
-    token_loss = POLICY_LOSSES.get(kind)
+    token_loss, settings = resolve_loss(cfg)
     m = mask > 0
     adv = advantages.detach()
     adv = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
@@ -286,42 +245,34 @@ def policy_loss(
     logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # off the mask: logp = old = 0, ratio 1
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
-    knobs = dict(
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, cispo_eps_high=cispo_eps_high,
-        cispo_eps_low=cispo_eps_low, gspo_clip_low=gspo_clip_low, gspo_clip_high=gspo_clip_high,
-        gmpo_clip_low=gmpo_clip_low, gmpo_clip_high=gmpo_clip_high, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg, cov_clip_frac=cov_clip_frac, cov_clip_lb=cov_clip_lb, cov_clip_ub=cov_clip_ub,
-        kl_cov_frac=kl_cov_frac, kl_cov_coef=kl_cov_coef, ipa_clip_low=ipa_clip_low, ipa_clip_high=ipa_clip_high,
-        ipa_mask_threshold=ipa_mask_threshold, ipa_mask_sides=ipa_mask_sides,
-    )
     rollout = None if rollout_logprobs is None else torch.where(m, rollout_logprobs.detach(), torch.zeros_like(logp))
-    pg_tok, clipped = token_loss(logp, old, adv, mask=m, chunk_ids=chunk_ids, rollout_logprobs=rollout, **knobs)
+    context = _context(token_loss, {"mask": m, "chunk_ids": chunk_ids, "rollout_logprobs": rollout})
+    pg_tok, clipped = token_loss(logp, old, adv, **context, **settings)
     if weights is not None:
         pg_tok = pg_tok * torch.where(m, weights.detach(), torch.zeros_like(pg_tok))
 
     def agg(x: Tensor) -> Tensor:
-        return aggregate(
-            x, mask, aggregation, constant_normalizer=constant_normalizer, num_tokens=num_tokens, num_samples=num_samples
-        )
+        return aggregate(x, mask, cfg.aggregation, constant_normalizer=cfg.constant_normalizer, num_tokens=num_tokens,
+                         num_samples=num_samples)
 
     pg = agg(pg_tok)
     loss = pg
     kl_tok = None
     if ref_logprobs is not None:
-        kl_tok = kl_penalty(logp, torch.where(m, ref_logprobs.detach(), torch.zeros_like(logp)), kl_estimator)
-        if kl_coef:
-            loss = loss + kl_coef * agg(kl_tok)
-    elif kl_coef:
+        kl_tok = kl_penalty(logp, torch.where(m, ref_logprobs.detach(), torch.zeros_like(logp)), cfg.kl_estimator)
+        if cfg.kl_coef:
+            loss = loss + cfg.kl_coef * agg(kl_tok)
+    elif cfg.kl_coef:
         raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the reference policy)")
     if entropy is None and logits is not None:
         entropy = entropy_from_logits(logits)
-    if entropy is not None and entropy_coef:
-        loss = loss - entropy_coef * agg(entropy)
-    elif entropy is None and entropy_coef:
+    if entropy is not None and cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * agg(entropy)
+    elif entropy is None and cfg.entropy_coef:
         raise ValueError("entropy_coef != 0 needs entropy [B, T] or logits [B, T, V]")
 
     with torch.no_grad():
-        ratio = _ratio(logp.detach(), old).double()
+        ratio = importance_ratio(logp.detach(), old).double()
         n = int(m.sum())
         frac = {k: float((clipped[k] & m).sum()) / max(n, 1) if k in clipped else 0.0 for k in ("high", "low", "dual")}
         other = {f"loss/{k}_frac": float((v & m).sum()) / max(n, 1) for k, v in clipped.items() if k not in frac}
@@ -343,83 +294,3 @@ def policy_loss(
             **other,
         }
     return loss, metrics
-
-
-# ----------------------------------------------------------------------------- token losses by name
-
-
-class TokenLoss(Protocol):
-    """A policy-gradient token loss (``train.loss.kind``): (logp, old_logp, advantages [B, T], the
-    loss knobs and ``mask`` (bool [B, T]), ``chunk_ids``, ``rollout_logprobs`` as keywords; accept
-    ``**_`` for the ones you do not use) -> (per-token loss to minimise [B, T], {name: bool mask of
-    tokens whose clip is active}; names "high", "low", "dual" are logged as clip fractions, others as
-    loss/<name>_frac)."""
-
-    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, **options: Any) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
-POLICY_LOSSES: Registry[TokenLoss] = Registry("policy loss")
-
-
-@POLICY_LOSSES.register("ppo")
-def _ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-         dual_clip: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-
-
-@POLICY_LOSSES.register("sft")
-def _sft(logp: Tensor, old_logp: Tensor, advantages: Tensor, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    """Supervised fine-tuning: l_t = -A_t * logp_t, the negative log-likelihood of the target tokens
-    (A_t = 1 on a demonstration; a per-token weight otherwise). No ratio, no clip."""
-    return -advantages * logp, {}
-
-
-@POLICY_LOSSES.register("cispo")
-def _cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, cispo_eps_high: float = 0.28,
-           cispo_eps_low: float | None = None, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return cispo_token_loss(logp, old_logp, advantages, eps_high=cispo_eps_high, eps_low=cispo_eps_low)
-
-
-@POLICY_LOSSES.register("gspo")
-def _gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
-          gspo_clip_low: float = 3e-4, gspo_clip_high: float = 4e-4, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return gspo_token_loss(logp, old_logp, advantages, mask, clip_low=gspo_clip_low, clip_high=gspo_clip_high)
-
-
-@POLICY_LOSSES.register("gmpo")
-def _gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
-          gmpo_clip_low: float = 0.4, gmpo_clip_high: float = 0.4, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return gmpo_token_loss(logp, old_logp, advantages, mask, clip_low=gmpo_clip_low, clip_high=gmpo_clip_high)
-
-
-@POLICY_LOSSES.register("sapo")
-def _sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, sapo_tau_pos: float = 1.0,
-          sapo_tau_neg: float = 1.05, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return sapo_token_loss(logp, old_logp, advantages, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
-
-
-@POLICY_LOSSES.register("clip_cov")
-def _clip_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
-              clip_low: float = 0.2, clip_high: float = 0.28, cov_clip_frac: float = 2e-4, cov_clip_lb: float = 1.0,
-              cov_clip_ub: float = 5.0, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return clip_cov_token_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                               frac=cov_clip_frac, lb=cov_clip_lb, ub=cov_clip_ub)
-
-
-@POLICY_LOSSES.register("kl_cov")
-def _kl_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
-            kl_cov_frac: float = 2e-4, kl_cov_coef: float = 1.0, **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return kl_cov_token_loss(logp, old_logp, advantages, mask, frac=kl_cov_frac, coef=kl_cov_coef)
-
-
-@POLICY_LOSSES.register("ipa")
-def _ipa(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor | None = None,
-         chunk_ids: Tensor | None = None, rollout_logprobs: Tensor | None = None, ipa_clip_low: float = 0.2,
-         ipa_clip_high: float = 0.28, ipa_mask_threshold: float = 2.0, ipa_mask_sides: str = "sign",
-         **_: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    return ipa_token_loss(logp, old_logp, advantages, mask, chunk_ids, rollout_logprobs, clip_low=ipa_clip_low,
-                          clip_high=ipa_clip_high, threshold=ipa_mask_threshold, sides=ipa_mask_sides)

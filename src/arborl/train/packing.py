@@ -144,11 +144,13 @@ def _flat_layout(samples: list[list[int]], budget: int) -> tuple[_Layout, list[l
     return lay, positions
 
 
-def _tree_layout(samples: list[list[int]], budget: int) -> tuple[_Layout, list[list[int]], int]:
-    tree: RadixTree[None] = RadixTree()
-    for s in samples:
-        if s:
-            tree.insert(s)
+def _tree_layout(samples: list[list[int]], budget: int,
+                 tree: RadixTree[None] | None = None) -> tuple[_Layout, list[list[int]], int]:
+    if tree is None:
+        tree = RadixTree()
+        for s in samples:
+            if s:
+                tree.insert(s)
     lay = _Layout()
     # where each node sits in the current row (node id -> packed start), original or repeated
     where: dict[int, int] = {}
@@ -209,8 +211,11 @@ def pack(
     mode: Mode = "auto",
     token_budget: int = 4096,
     min_saving: float = 0.2,
+    tree: RadixTree[None] | None = None,
 ) -> PackedBatch:
-    """Pack token-id sequences for one forward; see the module docstring."""
+    """Pack token-id sequences for one forward; see the module docstring. ``tree``: the prefix tree of
+    exactly these samples where the caller already built one (the trainer does, sizing its micro-batches),
+    used instead of building it again."""
     if mode not in ("flat", "tree", "auto"):
         raise ValueError(f"mode must be flat, tree or auto, got {mode!r}")
     if token_budget < 1:
@@ -222,7 +227,7 @@ def pack(
     tokens_tree = tokens_flat
     chosen: Literal["flat", "tree"] = "flat"
     if mode != "flat":
-        lay, positions, tokens_tree = _tree_layout(samples, token_budget)
+        lay, positions, tokens_tree = _tree_layout(samples, token_budget, tree)
         chosen = "tree"
         if mode == "auto" and tokens_flat and 1.0 - lay.n / tokens_flat < min_saving:
             chosen = "flat"

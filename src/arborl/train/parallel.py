@@ -40,7 +40,7 @@ from arborl.config import ParallelConfig, TrainConfig
 from arborl.models.forward import make_call_through
 from arborl.prefix import RadixTree
 from arborl.train.packing import pack, packed_logprobs
-from arborl.train.trainer import Trainer, _merge_metrics, micro_batches, minibatch_split
+from arborl.train.trainer import StepPlan, Trainer, _merge_metrics, micro_batches
 from arborl.types import InvalidRequestError, Sample
 
 # --------------------------------------------------------------------------- the split
@@ -199,16 +199,16 @@ class ShardedTrainer(Trainer):
                          checkpoint=self.cfg.activation_checkpointing)
 
     # -- the plan every rank computes -------------------------------------------------------------
-    def _plans(self, samples: list[Sample], rows: list[int]) -> list[list[list[int]]]:
-        """Per rank, its micro-batches (lists of indices into ``samples``) of the samples ``rows``."""
+    def _plan(self, samples: list[Sample], rows: list[int]) -> StepPlan:
+        """This rank's micro-batches of the samples ``rows`` (its balanced share), packed; the slots are the
+        most micro-batches any rank has (every rank sizes every share, packs only its own)."""
         tree = self.cfg.packing != "flat"
         part = [samples[i] for i in rows]
-        plans = []
-        for share in balanced_split(part, self.world, tree=tree):
-            mine = [part[i] for i in share]
-            plans.append([[rows[share[i]] for i in mb] for mb in micro_batches(mine, self.cfg.micro_batch_tokens, tree=tree)]
-                         if mine else [])
-        return plans
+        shares = balanced_split(part, self.world, tree=tree)
+        slots = max(len(micro_batches([part[i] for i in share], self.cfg.micro_batch_tokens, tree=tree))
+                    for share in shares)
+        mine = [rows[i] for i in shares[self.rank]]
+        return StepPlan(self._packed(samples, mine) if mine else [], slots)
 
     def _idle(self, *, backward: bool) -> None:
         """A zero-weighted micro-batch: joins the collectives of a step whose share ran out."""
@@ -222,20 +222,20 @@ class ShardedTrainer(Trainer):
         return contextlib.nullcontext()
 
     def _optimiser_step(
-        self, samples: list[Sample], part: list[int], proximal: dict[int, torch.Tensor] | None
+        self, samples: list[Sample], part: list[int], plan: StepPlan, proximal: dict[int, torch.Tensor] | None
     ) -> tuple[dict[str, float], int, int]:
         chosen = [samples[i] for i in part]
         num_tokens = sum(sum(s.loss_mask[1:]) for s in chosen)  # the whole part's, over every rank
         num_samples = sum(1 for s in chosen if any(s.loss_mask[1:]))
-        plans = self._plans(samples, part)
-        mine, steps = plans[self.rank], max(len(p) for p in plans)
+        mine, steps = plan.micro, plan.slots
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
         tokens = torch.zeros(2, dtype=torch.long)
         for k in range(steps):
             with self._sync(last=k == steps - 1):
                 if k < len(mine):
-                    packed, flat = self._micro_step(samples, mine[k], proximal, num_tokens, num_samples, acc)
+                    rows, batch = mine[k]
+                    packed, flat = self._micro_step(samples, rows, batch, proximal, num_tokens, num_samples, acc)
                     tokens += torch.tensor([packed, flat])
                 else:
                     self._idle(backward=True)
@@ -256,24 +256,18 @@ class ShardedTrainer(Trainer):
         return float(_full(norm))
 
     @torch.no_grad()
-    def _logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
-        """The proximal log-probs of the samples this rank trains in any part of the step."""
-        mine: list[list[int]] = []
-        steps = 0
-        for part in minibatch_split(samples, self.cfg.minibatches):
-            plans = self._plans(samples, part)
-            mine.extend(plans[self.rank])
-            steps += max(len(p) for p in plans)
+    def _logprobs(self, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        """The proximal log-probs of the samples this rank trains in any part of the step (its packed
+        micro-batches; idle forwards where another rank has more, so fsdp2's gathers pair up)."""
         out: dict[int, torch.Tensor] = {}
-        for k in range(steps):
-            if k < len(mine):
-                rows = mine[k]
-                batch = pack([samples[i].token_ids for i in rows], mode=self.cfg.packing,
-                             token_budget=self.cfg.micro_batch_tokens, min_saving=self.cfg.packing_min_saving)
-                for i, lp in zip(rows, self._forward(batch)):
-                    out[i] = lp.detach()
-            elif self.par.strategy == "fsdp2":
-                self._idle(backward=False)
+        for plan in plans:
+            for k in range(plan.slots):
+                if k < len(plan.micro):
+                    rows, batch = plan.micro[k]
+                    for i, lp in zip(rows, self._forward(batch)):
+                        out[i] = lp.detach()
+                elif self.par.strategy == "fsdp2":
+                    self._idle(backward=False)
         return out
 
     # -- weights out of the shards ----------------------------------------------------------------

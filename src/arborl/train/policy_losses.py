@@ -1,15 +1,15 @@
-r"""The registered policy losses beyond PPO and CISPO, each under its formula (verl's core_algos style).
+r"""The registered policy-gradient token losses: one function under its formula per ``train.loss.kind``,
+each with its own settings (verl's core_algos style).
 
-Notation as in :mod:`arborl.train.losses`: logp_t (current, with grad), old_t (pi_old), A_t, mask m_t;
-d_t = logp_t - old_t, rho_t = exp(d_t); n_i = sum_t m_{i,t}; sg = stop-gradient. Every function
-(registered by name in :data:`arborl.train.losses.POLICY_LOSSES`) returns a per-token loss to MINIMISE
-[B, T] (the trainer aggregates it with ``train.loss.aggregation``) and the bool masks of tokens whose
-clip (or selection) is active. The sequence-level ratios (gspo, gmpo) are written in the "token form"
-(the GSPO-token variant of Zheng et al. 2025): every token's ratio has its sequence's value and the
-gradient of its own log-prob times that value, so per-token (per-chunk) advantages work and, with a
-constant advantage per sample, the gradient equals the paper's sequence-level objective under any
-aggregation. ipa's chunk ratio carries the gradient of the chunk's mean log-ratio, as ROLL's.
+Notation: tensors are batch-first, B samples x T tokens; logp_t (current, with grad), old_t (pi_old),
+A_t (advantage [B, T]), mask m_t; d_t = logp_t - old_t, rho_t = exp(d_t) (:mod:`arborl.train.ratio`:
+clamped); n_i = sum_t m_{i,t}; sg = stop-gradient. Every function returns a per-token loss to MINIMISE
+[B, T] (:func:`arborl.train.losses.policy_loss` aggregates it with ``train.loss.aggregation``) and the
+bool masks of tokens whose clip (or selection) is active:
 
+    ppo       l_t = max(-A rho, -A clip(rho, 1-e_l, 1+e_h))   (+ dual-clip)
+    cispo     l_t = -sg(clip(rho, 1-e_l, 1+e_h)) A logp_t
+    sft       l_t = -A logp_t
     gspo      s_i = exp(1/n_i sum_t d_t)            l_t = max(-A s, -A clip(s, 1-e_l, 1+e_h))
     gmpo      c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t, -e_l, e_h)),  R_i = exp(1/n_i sum_t c_t),  l_t = -A R
     sapo      g_t = 4/tau sigmoid(tau (rho_t - 1)), tau = tau_pos if A > 0 else tau_neg,   l_t = -A g
@@ -19,22 +19,67 @@ aggregation. ipa's chunk ratio carries the gradient of the chunk's mean log-rati
               train/rollout mismatch masked (C4, ROLL's IPA)
 
 cov_t = (A_t - mean A)(logp_t - mean logp) over the loss tokens of the (micro-)batch the loss sees.
+
+**One loss = one function + its settings.** A loss's own knobs are the fields of a small pydantic
+model, its ``Settings`` attribute (``@with_settings(Model)``), set under ``train.loss.settings`` and
+validated when the config is checked; they reach the function as keyword arguments of the same names.
+The function also gets, as keywords, those of ``mask`` (bool [B, T]), ``chunk_ids`` and
+``rollout_logprobs`` ([B, T]) its signature names. A user's ``module:attr`` / ``file.py:attr`` loss
+works the same way (a ``Settings`` attribute, or none: no settings).
+
+The sequence-level ratios (gspo, gmpo) are written in the "token form" (the GSPO-token variant of
+Zheng et al. 2025): every token's ratio has its sequence's value and the gradient of its own log-prob
+times that value, so per-token (per-chunk) advantages work and, with a constant advantage per sample,
+the gradient equals the paper's sequence-level objective under any aggregation. ipa's chunk ratio
+carries the gradient of the chunk's mean log-ratio, as ROLL's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from arborl.train.corrections import LOG_RATIO_CLAMP, chunk_mean
+from arborl.registry import Registry
+from arborl.train.ratio import chunk_mean, clamp_log_ratio, importance_ratio
 
 Clipped = dict[str, Tensor]
 
 
-def _ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
-    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+class TokenLoss(Protocol):
+    """A policy-gradient token loss (``train.loss.kind``): (logp, old_logp, advantages [B, T], its settings
+    and those of ``mask`` / ``chunk_ids`` / ``rollout_logprobs`` its signature names, as keywords) ->
+    (per-token loss to minimise [B, T], {name: bool mask of tokens whose clip is active}; names "high",
+    "low", "dual" are logged as clip fractions, others as loss/<name>_frac). Optional ``Settings``: the
+    pydantic model of its settings."""
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, **options: Any) -> tuple[Tensor, Clipped]: ...
+
+
+POLICY_LOSSES: Registry[TokenLoss] = Registry("policy loss")
+
+
+class LossSettings(BaseModel):
+    """Base of a built-in loss's settings (``train.loss.settings``): typed, frozen, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_settings(model: type[BaseModel]) -> Callable[[F], F]:
+    """Decorator: ``model`` is the loss's ``Settings`` (its fields are the function's keyword settings)."""
+
+    def attach(fn: F) -> F:
+        fn.Settings = model  # type: ignore[attr-defined]
+        return fn
+
+    return attach
 
 
 def _need_mask(kind: str, mask: Tensor | None) -> Tensor:
@@ -51,7 +96,7 @@ def _seq_mean(x: Tensor, m: Tensor) -> Tensor:
 
 def _unit_ratio(unit_log: Tensor, token_log: Tensor) -> Tensor:
     """Token-form ratio: value exp(unit_log), gradient exp(unit_log) * grad(token_log)."""
-    return torch.exp(unit_log.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + token_log - token_log.detach())
+    return torch.exp(clamp_log_ratio(unit_log.detach()) + token_log - token_log.detach())
 
 
 def _clip_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Clipped]:
@@ -79,9 +124,127 @@ def _top(cov: Tensor, candidates: Tensor, frac: float, m: Tensor) -> Tensor:
     return picked
 
 
+INERT = "inert while the ratio is 1, see train.loss.kind"
+
+
+# ----------------------------------------------------------------------------- PPO
+
+
+class PPOSettings(LossSettings):
+    """ppo: token-level PPO-clip, asymmetric range (DAPO clip-higher), optional dual-clip."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description=f"ratio lower clip 1 - clip_low (ratio units; {INERT})")
+    clip_high: float = Field(
+        0.28, ge=0, description=f"ratio upper clip 1 + clip_high (ratio units; > clip_low is DAPO's clip-higher; {INERT})"
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c|A| "
+        f"(None = off; {INERT})"
+    )
+
+
+@POLICY_LOSSES.register("ppo")
+@with_settings(PPOSettings)
+def ppo_clip_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Clipped]:
+    r"""PPO-clip (Schulman et al. 2017) at token level, asymmetric range (DAPO clip-higher, Yu et
+    al. 2025: eps_high > eps_low keeps exploration tokens alive), optional dual-clip (Ye et al. 2020):
+
+        l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
+        l_t = min(l_t, -c A_t)                        if A_t < 0 and dual_clip = c > 1
+
+    The gradient is zero on the clipped side: A > 0 and rho > 1 + eps_high; A < 0 and rho < 1 - eps_low;
+    A < 0 and rho > c (dual-clip: a bad token far above old policy cannot push an unbounded update).
+    Returns (l [B, T], {"high", "low", "dual"}: bool [B, T] where that clip is active).
+    """
+    ratio = importance_ratio(logp, old_logp)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    dual = torch.zeros_like(ratio, dtype=torch.bool)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+        dual = (adv < 0) & (ratio > dual_clip)
+    clipped = {"high": (adv > 0) & (ratio > 1.0 + clip_high), "low": (adv < 0) & (ratio < 1.0 - clip_low), "dual": dual}
+    return loss, clipped
+
+
+# ----------------------------------------------------------------------------- CISPO
+
+
+class CISPOSettings(LossSettings):
+    """cispo: MiniMax-M1's clipped importance weight (stop-gradient) x advantage x log-prob."""
+
+    eps_high: float = Field(0.28, ge=0, description=f"the IS weight is clipped at 1 + eps_high (ratio units; {INERT})")
+    eps_low: float | None = Field(
+        None, ge=0, lt=1, description="lower clip 1 - eps_low of the IS weight (None = no lower bound, as MiniMax; "
+        f"{INERT})"
+    )
+
+
+@POLICY_LOSSES.register("cispo")
+@with_settings(CISPOSettings)
+def cispo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    *,
+    eps_high: float = 0.28,
+    eps_low: float | None = None,
+) -> tuple[Tensor, Clipped]:
+    r"""CISPO (MiniMax-M1, arXiv:2506.13585, eqs. 4-5):
+
+        J(theta) = E[ 1/sum_i |o_i| * sum_i sum_t sg(r^_{i,t}(theta)) * A^_{i,t} * log pi_theta(o_{i,t} | q, o_{i,<t}) ]
+        r^_{i,t} = clip(r_{i,t}(theta), 1 - eps^IS_low, 1 + eps^IS_high)
+
+    PPO clips the token's update (clipped tokens get no gradient); CISPO clips only the importance
+    WEIGHT, under stop-gradient, so every token keeps its gradient:  grad l_t = -sg(r^_t) A_t grad logp_t.
+    MiniMax imposes no lower bound (eps_low "set to a large value"): ``eps_low=None``. The
+    1/sum|o_i| normaliser is ``aggregation="token_mean"``. The loss VALUE is a surrogate (it moves
+    with logp itself); read its gradient, not its level.
+
+        l_t = -sg(r^_t) * A_t * logp_t
+
+    Returns (l [B, T], {"high", "low"}: bool [B, T] where the weight was clipped).
+    """
+    ratio = importance_ratio(logp, old_logp).detach()
+    weight = ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
+    loss = -weight * adv * logp
+    low = torch.zeros_like(ratio, dtype=torch.bool) if eps_low is None else ratio < 1.0 - eps_low
+    return loss, {"high": ratio > 1.0 + eps_high, "low": low}
+
+
+# ----------------------------------------------------------------------------- SFT
+
+
+@POLICY_LOSSES.register("sft")
+def sft_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor) -> tuple[Tensor, Clipped]:
+    """Supervised fine-tuning: l_t = -A_t * logp_t, the negative log-likelihood of the target tokens
+    (A_t = 1 on a demonstration; a per-token weight otherwise). No ratio, no clip, no settings."""
+    return -adv * logp, {}
+
+
 # ----------------------------------------------------------------------------- GSPO
 
 
+class GSPOSettings(LossSettings):
+    """gspo: the sequence-level ratio (geometric mean of the token ratios per sample), clipped."""
+
+    clip_low: float = Field(
+        3e-4, ge=0, lt=1, description=f"sequence ratio lower clip 1 - clip_low (ratio units; the paper's 3e-4; {INERT})"
+    )
+    clip_high: float = Field(
+        4e-4, ge=0, description=f"sequence ratio upper clip 1 + clip_high (ratio units; the paper's 4e-4; {INERT})"
+    )
+
+
+@POLICY_LOSSES.register("gspo")
+@with_settings(GSPOSettings)
 def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 3e-4,
                     clip_high: float = 4e-4) -> tuple[Tensor, Clipped]:
     r"""GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071):
@@ -100,6 +263,18 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *
 # ----------------------------------------------------------------------------- GMPO
 
 
+class GMPOSettings(LossSettings):
+    """gmpo: the geometric mean of the token ratios, each clipped in log space."""
+
+    clip_low: float = Field(
+        0.4, ge=0, description="token log-ratios are clipped below at -clip_low (log-ratio units, i.e. ratio e^-0.4; "
+        f"{INERT})"
+    )
+    clip_high: float = Field(0.4, ge=0, description=f"token log-ratios are clipped above at +clip_high (log-ratio units; {INERT})")
+
+
+@POLICY_LOSSES.register("gmpo")
+@with_settings(GMPOSettings)
 def gmpo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 0.4,
                     clip_high: float = 0.4) -> tuple[Tensor, Clipped]:
     r"""GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673): the geometric
@@ -112,7 +287,7 @@ def gmpo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *
     to the paper when A is constant per sample). The paper's J is ``aggregation="seq_mean"``.
     """
     m = _need_mask("gmpo", mask)
-    d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = clamp_log_ratio(logp - old_logp)
     sgn = torch.sign(adv)
     c = sgn * torch.minimum(sgn * d, sgn * d.clamp(-clip_low, clip_high))
     ratio = _unit_ratio(_seq_mean(c, m).expand_as(c), c)
@@ -123,6 +298,18 @@ def gmpo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *
 # ----------------------------------------------------------------------------- SAPO
 
 
+class SAPOSettings(LossSettings):
+    """sapo: a sigmoid soft gate instead of the hard clip."""
+
+    tau_pos: float = Field(
+        1.0, gt=0, description="gate temperature for positive advantages; larger = faster decay away from ratio 1 "
+        "(inert while the ratio is 1, where the gate's slope is 1 for any temperature)"
+    )
+    tau_neg: float = Field(1.05, gt=0, description=f"gate temperature for negative (and zero) advantages ({INERT})")
+
+
+@POLICY_LOSSES.register("sapo")
+@with_settings(SAPOSettings)
 def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, *, tau_pos: float = 1.0,
                     tau_neg: float = 1.05) -> tuple[Tensor, Clipped]:
     r"""SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): a smooth
@@ -137,7 +324,7 @@ def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, *, tau_pos: flo
     """
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"SAPO temperatures must be > 0; got {tau_pos}, {tau_neg}")
-    ratio = _ratio(logp, old_logp)
+    ratio = importance_ratio(logp, old_logp)
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
     return -adv * gate, {}
@@ -146,6 +333,21 @@ def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, *, tau_pos: flo
 # ----------------------------------------------------------------------------- Clip-Cov / KL-Cov
 
 
+class ClipCovSettings(LossSettings):
+    """clip_cov: PPO-clip with the few highest log-prob x advantage covariance tokens detached (Cui et al. 2025)."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description=f"PPO ratio lower clip 1 - clip_low (ratio units; {INERT})")
+    clip_high: float = Field(0.28, ge=0, description=f"PPO ratio upper clip 1 + clip_high (ratio units; {INERT})")
+    frac: float = Field(
+        2e-4, gt=0, le=1, description="fraction of a micro-batch's loss tokens (at least 1) whose gradient is detached: "
+        "the highest log-prob x advantage covariance among tokens inside [lb, ub]"
+    )
+    lb: float = Field(1.0, description="a token is a candidate only if its covariance is above this (covariance units)")
+    ub: float = Field(5.0, description="a token is a candidate only if its covariance is below this (covariance units)")
+
+
+@POLICY_LOSSES.register("clip_cov")
+@with_settings(ClipCovSettings)
 def clip_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 0.2,
                         clip_high: float = 0.28, frac: float = 2e-4, lb: float = 1.0,
                         ub: float = 5.0) -> tuple[Tensor, Clipped]:
@@ -161,7 +363,7 @@ def clip_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tenso
     candidates, so a step is deterministic. ``"cov"`` in the returned masks marks I.
     """
     m = _need_mask("clip_cov", mask)
-    ratio = _ratio(logp, old_logp)
+    ratio = importance_ratio(logp, old_logp)
     unclipped, clipped_loss = -adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped_loss)
     cov = _covariance(logp, adv, m)
@@ -171,6 +373,21 @@ def clip_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tenso
         "high": (adv > 0) & (r > 1.0 + clip_high), "low": (adv < 0) & (r < 1.0 - clip_low), "cov": picked}
 
 
+class KLCovSettings(LossSettings):
+    """kl_cov: plain policy gradient with a |log ratio| penalty on the highest-covariance tokens (Cui et al. 2025)."""
+
+    frac: float = Field(
+        2e-4, gt=0, le=1, description="fraction of a micro-batch's loss tokens (at least 1), the highest log-prob x "
+        f"advantage covariance, that get the |log ratio| penalty ({INERT})"
+    )
+    coef: float = Field(
+        1.0, ge=0, description="weight of the |log pi - log pi_old| penalty on the selected tokens (inert while the "
+        "ratio is 1, where the penalty's gradient is 0)"
+    )
+
+
+@POLICY_LOSSES.register("kl_cov")
+@with_settings(KLCovSettings)
 def kl_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, frac: float = 2e-4,
                       coef: float = 1.0) -> tuple[Tensor, Clipped]:
     r"""KL-Cov (Cui et al. 2025, arXiv:2505.22617, sec. 4): no clip; the top covariance tokens get a
@@ -181,19 +398,36 @@ def kl_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     ``"cov"`` in the returned masks marks the penalised tokens.
     """
     m = _need_mask("kl_cov", mask)
-    ratio = _ratio(logp, old_logp)
+    ratio = importance_ratio(logp, old_logp)
     cov = _covariance(logp, adv, m)
     picked = _top(cov, m, frac, m)
-    penalty = coef * (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).abs()
+    penalty = coef * clamp_log_ratio(logp - old_logp).abs()
     return -adv * ratio + torch.where(picked, penalty, 0.0), {"cov": picked}
 
 
 # ----------------------------------------------------------------------------- IPA (C4)
 
 
+class IPASettings(LossSettings):
+    """ipa: ROLL's chunk-level ratio, PPO-clipped, with a chunk train/rollout mismatch mask (C4)."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description=f"chunk ratio lower clip 1 - clip_low (ratio units; {INERT})")
+    clip_high: float = Field(0.28, ge=0, description=f"chunk ratio upper clip 1 + clip_high (ratio units; {INERT})")
+    mask_threshold: float = Field(
+        2.0, gt=1, description="H; a chunk whose train/rollout mismatch (geometric mean of pi_train / pi_rollout over "
+        "its tokens) is above H or below 1/H is masked, on the sides mask_sides says (ratio units)"
+    )
+    mask_sides: Literal["sign", "both"] = Field(
+        "sign", description="sign = a positive-advantage chunk is masked when its mismatch > H, a negative one when "
+        "< 1/H (the side where the update would grow); both = either side masks any chunk"
+    )
+
+
+@POLICY_LOSSES.register("ipa")
+@with_settings(IPASettings)
 def ipa_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, chunk_ids: Tensor,
                    rollout_logprobs: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-                   threshold: float = 2.0, sides: str = "sign") -> tuple[Tensor, Clipped]:
+                   mask_threshold: float = 2.0, mask_sides: str = "sign") -> tuple[Tensor, Clipped]:
     r"""IPA's chunk-level policy loss (ROLL, "Let It Flow", arXiv:2512.24873; chunks are the spans
     between environment interactions, ``Sample.chunk_ids``):
 
@@ -204,24 +438,24 @@ def ipa_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, ch
 
     The ratio's gradient flows through the chunk mean (as ROLL's "segment" ratio). Positive and
     negative trajectories (the sign of the chunk's advantage; chunk_returns advantages are
-    group-relative) are masked on different sides with ``sides="sign"``: a positive chunk when
-    mu_c > H (the trainer already rates it far above the sampler, reinforcing it would push further
+    group-relative) are masked on different sides with ``mask_sides="sign"``: a positive chunk when
+    mu_c > H = ``mask_threshold`` (the trainer already rates it far above the sampler, reinforcing it would push further
     off the rollout distribution), a negative one when mu_c < 1/H (pushing down tokens the trainer
-    already finds unlikely gives the large, unstable negative gradients). ``sides="both"`` masks
+    already finds unlikely gives the large, unstable negative gradients). ``mask_sides="both"`` masks
     either side for every chunk. This sign rule is our reading of the paper's treatment of positive
     and negative trajectories; ``"mismatch"`` in the returned masks marks masked tokens.
     """
     m = _need_mask("ipa", mask)
     if chunk_ids is None or rollout_logprobs is None:
         raise ValueError("policy loss 'ipa' needs chunk_ids and rollout_logprobs [B, T]; policy_loss passes them")
-    if threshold <= 1.0 or sides not in ("sign", "both"):
-        raise ValueError(f"ipa needs threshold H > 1 and sides in sign, both; got {threshold}, {sides!r}")
-    ratio = torch.exp(chunk_mean(logp - old_logp, m, chunk_ids).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if mask_threshold <= 1.0 or mask_sides not in ("sign", "both"):
+        raise ValueError(f"ipa needs mask_threshold H > 1 and mask_sides in sign, both; got {mask_threshold}, {mask_sides!r}")
+    ratio = torch.exp(clamp_log_ratio(chunk_mean(logp - old_logp, m, chunk_ids)))
     loss, clipped = _clip_surrogate(ratio, adv, clip_low, clip_high)
     with torch.no_grad():
         rollout = torch.where(m, rollout_logprobs.to(logp.dtype), 0.0)
         mis = chunk_mean(torch.where(m, logp.detach() - rollout, 0.0), m, chunk_ids)
-        over, under = mis > math.log(threshold), mis < -math.log(threshold)
-        masked = ((adv > 0) & over) | ((adv < 0) & under) if sides == "sign" else over | under
+        over, under = mis > math.log(mask_threshold), mis < -math.log(mask_threshold)
+        masked = ((adv > 0) & over) | ((adv < 0) & under) if mask_sides == "sign" else over | under
         masked = masked & m
     return torch.where(masked, 0.0, loss), {**clipped, "mismatch": masked}

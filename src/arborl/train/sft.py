@@ -25,7 +25,7 @@ from arborl.types import InvalidRequestError, Sample
 
 def sft_config(train: TrainConfig) -> TrainConfig:
     """``train`` with the SFT loss: one optimiser step per batch, no KL / entropy / correction terms."""
-    loss = train.loss.model_copy(update={"kind": "sft", "kl_coef": 0.0, "entropy_coef": 0.0, "aggregation": "token_mean"})
+    loss = train.loss.model_copy(update={"kind": "sft", "settings": {}, "kl_coef": 0.0, "entropy_coef": 0.0, "aggregation": "token_mean"})
     return train.model_copy(update={
         "loss": loss, "lr": train.sft.lr or train.lr, "ppo_epochs": 1, "minibatches": 1, "old_logprobs": "trainer",
         "decoupled": False, "correction": train.correction.model_copy(update={"mode": "none"}),
@@ -79,9 +79,9 @@ def masked_nll(trainer: Trainer, samples: list[Sample]) -> float:
     trainer.model.eval()
     total = tokens = 0.0
     try:
-        for idx in micro_batches(samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
+        for idx, prefixes in micro_batches(samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
             batch = pack([samples[i].token_ids for i in idx], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
-                         min_saving=cfg.packing_min_saving)
+                         min_saving=cfg.packing_min_saving, tree=prefixes)
             for i, lp in zip(idx, packed_logprobs(trainer.policy, batch)):
                 m = torch.tensor(samples[i].loss_mask[1:], dtype=lp.dtype, device=lp.device)
                 total -= float((lp * m).sum())

@@ -1,14 +1,17 @@
 """The policy trainer: one batch of samples -> ppo_epochs x minibatches optimiser steps (default 1 x 1).
 
-    prox = the policy's log-probs before any update of this step        # an extra forward when it takes
+    parts = train.minibatches pieces of the batch (groups kept adjacent)
+    plan  = each part cut into micro-batches (<= micro_batch_tokens) and packed (flat or prefix tree),
+            once per step: every pass and the proximal forward reuse them
+    prox  = the policy's log-probs before any update of this step        # an extra forward when it takes
                                                                          # several optimiser steps
-    for each pass (train.ppo_epochs), for each part (train.minibatches; groups kept adjacent):
-        for each micro-batch (<= micro_batch_tokens):
-            pack (flat or prefix tree)  ->  per-sample log-probs logp (+ entropies)
+    for each pass (train.ppo_epochs), for each part:
+        for each of its packed micro-batches:
+            forward  ->  per-sample log-probs logp (+ entropies)
             w    = rollout_correction(logp, behaviour_logp)           # S3: TIS / MIS / IcePop weights
             w   *= pi_prox / pi_behav, 0 above the cap                 # train.decoupled (AReaL)
             old  = prox (train.old_logprobs=trainer) or behaviour_logp (=rollout)
-            loss = policy_loss(logp, old, advantages, w, ...)          # train.loss.kind, KL, entropy
+            loss = policy_loss(cfg.loss, logp, old, advantages, w, ...) # train.loss.kind, KL, entropy
             loss.backward()                                            # normalised by the whole part
         clip gradients; AdamW step
     publish weights to the engines (version + 1; the controller does it)
@@ -34,6 +37,7 @@ import operator
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,38 +46,48 @@ from torch.nn.utils.rnn import pad_sequence
 from arborl.config import TrainConfig
 from arborl.prefix import RadixTree
 from arborl.train.corrections import decoupled_weights, rollout_correction
-from arborl.train.losses import policy_loss
-from arborl.train.packing import pack, packed_logprobs
+from arborl.train.losses import policy_loss, resolve_loss
+from arborl.train.packing import PackedBatch, pack, packed_logprobs
 from arborl.types import InvalidRequestError, Sample
 
 
-def micro_batches(samples: list[Sample], token_budget: int, *, tree: bool = False) -> list[list[int]]:
+def micro_batches(
+    samples: list[Sample], token_budget: int, *, tree: bool = False
+) -> list[tuple[list[int], RadixTree[None] | None]]:
     """Indices of ``samples`` split into micro-batches of at most ``token_budget`` tokens to compute
     (a longer sample goes alone): flat tokens, or with ``tree`` the tokens of their prefix tree, so
     samples sharing prefixes fill a micro-batch by what the forward really computes. Samples of one
-    group stay adjacent, so their shared prompt is packed once."""
+    group stay adjacent, so their shared prompt is packed once. Each micro-batch comes with the prefix
+    tree of its samples (None without ``tree``), for ``pack(..., tree=)``: it is not built twice."""
     order = sorted(range(len(samples)), key=lambda i: (samples[i].group_id, i))
-    batches: list[list[int]] = []
+    batches: list[tuple[list[int], RadixTree[None] | None]] = []
     current: list[int] = []
     prefixes: RadixTree[None] = RadixTree()
-    flat = 0
+    used = 0
     for i in order:
         tokens = samples[i].token_ids
+        added = len(tokens) - (prefixes.match_prefix(tokens).length if tree else 0)  # what it adds to compute
+        if current and used + added > token_budget:
+            batches.append((current, prefixes if tree else None))
+            current, prefixes, used, added = [], RadixTree(), 0, len(tokens)
         if tree:
             prefixes.insert(tokens)
-            used = prefixes.total_tokens
-        else:
-            flat += len(tokens)
-            used = flat
-        if current and used > token_budget:
-            batches.append(current)
-            current, prefixes, flat = [], RadixTree(), len(tokens)
-            if tree:
-                prefixes.insert(tokens)
         current.append(i)
+        used += added
     if current:
-        batches.append(current)
+        batches.append((current, prefixes if tree else None))
     return batches
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """One optimiser step's micro-batches that this process runs, packed once per step (every pass and
+    the proximal forward reuse them): ``micro`` = (indices into the step's samples, their PackedBatch);
+    ``slots`` = micro-batches every process of the step runs (under train.parallel a rank with fewer
+    runs idle ones; one process: len(micro))."""
+
+    micro: list[tuple[list[int], PackedBatch]]
+    slots: int
 
 
 def _per_token(samples: list[Sample], field: str | Callable[[Sample], list], dtype: torch.dtype, device) -> torch.Tensor:
@@ -125,6 +139,7 @@ class Trainer:
         must be under that distribution too)."""
         if temperature <= 0:
             raise InvalidRequestError("the trainer's temperature must be > 0 (greedy rollouts cannot be trained on)")
+        resolve_loss(cfg.loss)  # train.loss.kind and its settings: a ConfigError naming the key, before any work
         self.cfg = cfg
         self.temperature = temperature
         self.model = self._with_lora(model) if cfg.lora_rank > 0 else model
@@ -174,21 +189,22 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         parts = minibatch_split(samples, cfg.minibatches)
+        plans = [self._plan(samples, part) for part in parts]  # sized and packed once per step
         several = cfg.ppo_epochs * len(parts) > 1
         # pi_old / pi_prox must be the policy before the FIRST update of the step: with several
         # optimiser steps it takes its own forward now; with one, the step's forward gives it
-        proximal = self._logprobs(samples) if several and cfg.old_logprobs == "trainer" else None
+        proximal = self._logprobs(plans) if several and cfg.old_logprobs == "trainer" else None
         if proximal is not None:
             self.step_logprobs = {i: lp.float().cpu() for i, lp in proximal.items()}
         steps: dict[str, list[tuple[float, float]]] = defaultdict(list)
         norms: list[float] = []
         packed_tokens = flat_tokens = 0
         for _ in range(cfg.ppo_epochs):
-            for part in parts:
+            for part, plan in zip(parts, plans):
                 part_tokens = sum(sum(samples[i].loss_mask[1:]) for i in part)
                 if part_tokens == 0:
                     continue
-                metrics, packed, flat = self._optimiser_step(samples, part, proximal)
+                metrics, packed, flat = self._optimiser_step(samples, part, plan, proximal)
                 packed_tokens += packed
                 flat_tokens += flat
                 norms.append(metrics.pop("train/grad_norm"))
@@ -211,37 +227,50 @@ class Trainer:
         })
         return out
 
-    def _optimiser_step(
-        self, samples: list[Sample], part: list[int], proximal: dict[int, torch.Tensor] | None
-    ) -> tuple[dict[str, float], int, int]:
-        """Gradients of the samples ``part`` (micro-batched), clipped, one AdamW step; its metrics."""
+    def _plan(self, samples: list[Sample], part: list[int]) -> StepPlan:
+        """The samples ``part`` (indices into ``samples``) cut into micro-batches and packed."""
+        micro = self._packed(samples, part)
+        return StepPlan(micro, len(micro))
+
+    def _packed(self, samples: list[Sample], rows: list[int]) -> list[tuple[list[int], PackedBatch]]:
+        """``samples[rows]`` cut into micro-batches, each packed with the prefix tree that sized it."""
         cfg = self.cfg
+        chosen = [samples[i] for i in rows]
+        out = []
+        for idx, prefixes in micro_batches(chosen, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
+            batch = pack([chosen[i].token_ids for i in idx], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
+                         min_saving=cfg.packing_min_saving, tree=prefixes)
+            out.append(([rows[i] for i in idx], batch))
+        return out
+
+    def _optimiser_step(
+        self, samples: list[Sample], part: list[int], plan: StepPlan, proximal: dict[int, torch.Tensor] | None
+    ) -> tuple[dict[str, float], int, int]:
+        """Gradients of the samples ``part`` (its packed micro-batches ``plan``), clipped, one AdamW step; its
+        metrics."""
         chosen = [samples[i] for i in part]
         num_tokens = sum(sum(s.loss_mask[1:]) for s in chosen)
         num_samples = sum(1 for s in chosen if any(s.loss_mask[1:]))
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
         packed_tokens = flat_tokens = 0
-        for idx in micro_batches(chosen, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
-            packed, flat = self._micro_step(samples, [part[i] for i in idx], proximal, num_tokens, num_samples, acc)
+        for rows, batch in plan.micro:
+            packed, flat = self._micro_step(samples, rows, batch, proximal, num_tokens, num_samples, acc)
             packed_tokens += packed
             flat_tokens += flat
         grad_norm = self._clip_and_step()
         return {**_merge_metrics(acc), "train/grad_norm": grad_norm}, packed_tokens, flat_tokens
 
     def _micro_step(
-        self, samples: list[Sample], rows: list[int], proximal: dict[int, torch.Tensor] | None, num_tokens: int,
-        num_samples: int, acc: dict[str, list[tuple[float, float]]],
+        self, samples: list[Sample], rows: list[int], batch: PackedBatch, proximal: dict[int, torch.Tensor] | None,
+        num_tokens: int, num_samples: int, acc: dict[str, list[tuple[float, float]]],
     ) -> tuple[int, int]:
-        """Forward and backward of the micro-batch ``samples[rows]``, its loss normalised by the optimiser
-        step's ``num_tokens`` / ``num_samples``; appends its metrics to ``acc``; returns (packed, flat) tokens."""
+        """Forward and backward of the micro-batch ``samples[rows]`` (packed: ``batch``), its loss normalised by
+        the optimiser step's ``num_tokens`` / ``num_samples``; appends its metrics to ``acc``; returns (packed,
+        flat) tokens."""
         cfg = self.cfg
         tempered = self.temperature != 1.0  # the trainer scores softmax(logits / T): compare with the same distribution
         mb = [samples[i] for i in rows]
-        batch = pack(
-            [s.token_ids for s in mb], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
-            min_saving=cfg.packing_min_saving,
-        )
         want_entropy = cfg.loss.entropy_coef > 0
         out = self._forward(batch, with_entropy=want_entropy)
         lps, ents = out if want_entropy else (out, None)
@@ -268,8 +297,8 @@ class Trainer:
         old = prox if cfg.old_logprobs == "trainer" else rollout
         ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
         loss, metrics = policy_loss(
-            logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
-            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples, **cfg.loss.model_dump(),
+            cfg.loss, logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
+            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples,
         )
         loss.backward()
         w = float(mask.sum())
@@ -290,16 +319,14 @@ class Trainer:
         return grad_norm
 
     @torch.no_grad()
-    def _logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
-        """The current policy's next-token log-probs of every sample (index -> [len - 1]), no gradient."""
+    def _logprobs(self, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        """The current policy's next-token log-probs of every sample the step's packed micro-batches hold
+        (index -> [len - 1]), no gradient."""
         out: dict[int, torch.Tensor] = {}
-        for idx in micro_batches(samples, self.cfg.micro_batch_tokens, tree=self.cfg.packing != "flat"):
-            batch = pack(
-                [samples[i].token_ids for i in idx], mode=self.cfg.packing, token_budget=self.cfg.micro_batch_tokens,
-                min_saving=self.cfg.packing_min_saving,
-            )
-            for i, lp in zip(idx, self._forward(batch)):
-                out[i] = lp.detach()
+        for plan in plans:
+            for rows, batch in plan.micro:
+                for i, lp in zip(rows, self._forward(batch)):
+                    out[i] = lp.detach()
         return out
 
     @torch.no_grad()
