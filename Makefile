@@ -94,15 +94,15 @@ bench-engine: venv
 	$(VENV)/bin/arborl bench engine --quick
 
 knobs: venv
-	$(PY) -m arborl.docs_knobs > docs/knobs.md
+	$(PY) scripts/docs_knobs.py > docs/knobs.md
 
-# the feature-label tables of docs/glossary.md, from src/arborl/docs_glossary.py
+# the feature-label tables of docs/glossary.md, from scripts/docs_glossary.py
 glossary: venv
-	$(PY) -m arborl.docs_glossary
+	$(PY) scripts/docs_glossary.py
 
 # every benchmark (quick) in its own process -> docs/figures.json, then README's table from it (docs/figures.md)
 figures: venv
-	$(VENV)/bin/arborl bench all --quick && $(PY) -m arborl.docs_figures
+	$(VENV)/bin/arborl bench all --quick && $(PY) scripts/docs_figures.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

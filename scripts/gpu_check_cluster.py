@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.cluster import disaggregate
 from arborl.cluster.session import leftover_processes
 from arborl.cluster.weights import WEIGHT_SYNC
 from arborl.config import load_config
-from arborl.controller import Controller
+from arborl.run.controller import Controller
 from arborl.models import load_model
 from arborl.tasks import make_suite
 from arborl.train.trainer import Trainer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from arborl import docs_figures
+import docs_figures
 from arborl.bench import BENCHMARKS
 from arborl.bench.all_bench import Attempt, appended, bench_entry, kept_entries, machine, run_process
 from arborl.bench.figures import HEADLINES, lookup, spread, summarize
@@ -247,4 +247,4 @@ def test_readme_figures_block_matches_the_record() -> None:
     if not record.is_file():
         pytest.skip("docs/figures.json is absent: `make figures` (arborl bench all --quick) writes it")
     assert docs_figures.main(["--record", str(record), "--readme", str(ROOT / "README.md"), "--check"]) == 0, \
-        "README's figures block is stale: run `python -m arborl.docs_figures`"
+        "README's figures block is stale: run `python scripts/docs_figures.py`"

@@ -15,7 +15,7 @@ from arborl import __version__
 from arborl.cli import app
 from arborl.report import plural, run_figure, step_line
 from arborl.report.curves import PANELS
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.timeline import Timeline
 
 SMALL_SIM = ["--set", "sim.prompts=4", "--set", "sim.group_size=2", "--set", "sim.instances=2", "--set", "sim.steps=1",
              "--set", "sim.length_median=40", "--set", "sim.max_tokens=100"]

@@ -24,8 +24,8 @@ from helpers import signal_agent  # noqa: E402
 from helpers.parallel import rank_children  # noqa: E402
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
-from arborl import job  # noqa: E402
-from arborl.rundir import RunDir  # noqa: E402
+from arborl.run import job  # noqa: E402
+from arborl.run.rundir import RunDir  # noqa: E402
 
 
 def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(ray_session, tmp_path, caplog, monkeypatch):

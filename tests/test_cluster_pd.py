@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
-from arborl.assemble import build_gateway  # noqa: E402
+from arborl.run.assemble import build_gateway  # noqa: E402
 from arborl.cluster import PDEngine  # noqa: E402
 from arborl.config import ConfigError  # noqa: E402
 from arborl.types import GenerateRequest, SamplingParams  # noqa: E402

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.slow  # a Ray cluster and two engine processes: ~40 s o
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
-from arborl.assemble import build_gateway  # noqa: E402
+from arborl.run.assemble import build_gateway  # noqa: E402
 from arborl.cluster import ClusterError, disaggregate  # noqa: E402
 from arborl.cluster.remote import ActorEngine  # noqa: E402
 from arborl.config import SchedulingConfig  # noqa: E402
-from arborl.controller import Controller  # noqa: E402
+from arborl.run.controller import Controller  # noqa: E402
 from arborl.engine.pool import EnginePool  # noqa: E402
 from arborl.models import load_model  # noqa: E402
 from arborl.tasks import make_suite  # noqa: E402

@@ -4,8 +4,8 @@ while it was gone stay where they are. (The Ray end to end case is in test_clust
 
 from __future__ import annotations
 
-from arborl.rollout.dispatch import PinnedDispatch
-from arborl.rollout.policies import RequestSpec
+from arborl.scheduling.dispatch import PinnedDispatch
+from arborl.scheduling.policies import RequestSpec
 
 
 def test_pinned_dispatch_pins_new_groups_on_a_restored_instance():

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import signal_agent  # noqa: E402
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
-from arborl import job  # noqa: E402
+from arborl.run import job  # noqa: E402
 from arborl.cluster.session import ClusterError  # noqa: E402
-from arborl.rundir import RunDir  # noqa: E402
+from arborl.run.rundir import RunDir  # noqa: E402
 
 
 def test_killed_trainer_actor_resumes_from_its_last_checkpoint(ray_session, tmp_path, caplog):

@@ -21,7 +21,7 @@ from arborl.config import load_config
 from arborl.gateway.render import ChatRenderer
 from arborl.gateway.transcript import transcript_sample
 from arborl.models import load_model
-from arborl.sft import episode_sft_samples, passing, sample_endpoint
+from arborl.run.sft import episode_sft_samples, passing, sample_endpoint
 from arborl.tasks.code_repair.demos import _script, expert_plan, make_demos
 from arborl.tasks.code_repair.suite import CodeRepairSuite
 from arborl.types import Call, Episode, EpisodeStatus

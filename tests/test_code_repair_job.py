@@ -12,8 +12,8 @@ import shutil
 import pytest
 
 from arborl.config import load_config
-from arborl.job import train
-from arborl.sft import TranscriptError
+from arborl.run.job import train
+from arborl.run.sft import TranscriptError
 from arborl.tasks.code_repair import CodeRepairSuite
 from arborl.tasks.code_repair.demos import make_demos
 

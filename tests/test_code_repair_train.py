@@ -11,7 +11,7 @@ from pathlib import Path
 
 from arborl.config import load_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.train.samples import build_samples
 from arborl.types import EpisodeStatus
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from arborl.agents.served import serve_http
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import ConfigError, load_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.registry import load_object
 from arborl.types import EpisodeStatus
 

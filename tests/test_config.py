@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from arborl.config import Config, ConfigError, Section, dump_config, load_config
-from arborl.docs_knobs import render
+from docs_knobs import render
 from arborl.train.policy_losses import POLICY_LOSSES
 
 

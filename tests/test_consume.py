@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from arborl.config import SchedulingConfig
 from arborl.registry import RegistryError
-from arborl.rollout.consume import (
+from arborl.scheduling.consume import (
     AsyncRatioConsume,
     SyncConsume,
     VersionGapFilter,
     WindowedFIFOConsume,
     make_consume,
 )
-from arborl.rollout.policies import ConsumePolicy, window_items
+from arborl.scheduling.policies import ConsumePolicy, window_items
 
 # an event sequence: (op, selector); s = start, f = finish the selected running item, o / n = finish
 # the oldest / newest running item (n lets old items fall behind), x = fail the selected one,
@@ -242,7 +242,7 @@ def test_version_gap_filter_composes_with_every_policy(ops, n, name, gap, back):
 
 
 def test_version_gap_filter_alone():
-    from arborl.rollout.consume import Item
+    from arborl.scheduling.consume import Item
 
     f = VersionGapFilter(1)
     assert not f.reject(Item("a", 0, start_version=3, min_version=3), 4)

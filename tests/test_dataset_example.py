@@ -10,7 +10,7 @@ import pytest
 
 from arborl.config import load_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.models import load_model
 from arborl.registry import load_object
 

@@ -15,9 +15,9 @@ from arborl.config import EngineConfig, ModelConfig
 from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
 from arborl.models import load_model, tiny_llama
 from arborl.engine.dispatcher import Dispatcher
-from arborl.rollout.policies import Traced, replay
+from arborl.scheduling.policies import Traced, replay
 from arborl.config import SchedulingConfig
-from arborl.rollout.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
+from arborl.scheduling.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
 from arborl.types import FinishReason, GenerateRequest, SamplingParams
 
 VOCAB = 256
@@ -355,7 +355,7 @@ def test_stop_strings_through_the_dispatcher_match_an_undivided_request():
 
 
 def test_a_piece_running_across_steps_is_in_the_step_it_ends_in(model):
-    from arborl.rollout.timeline import Timeline
+    from arborl.scheduling.timeline import Timeline
 
     async def run():
         engines = _engines(model, 1, batch=2)

@@ -18,11 +18,11 @@ import pytest
 import torch
 import yaml
 
-from arborl import docs_glossary
+import docs_glossary
 from arborl.config import Config, Section, load_config
 from arborl.datapool import DataPool
 from arborl.extensions import check_extensions
-from arborl.job import train
+from arborl.run.job import train
 from arborl.train.policy_losses import POLICY_LOSSES
 from helpers.blackbox_gateway import ADMIN_KEY, start_harness
 

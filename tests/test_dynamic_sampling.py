@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from arborl.config import load_config
-from arborl.job import train
-from arborl.rollout.consume import make_consume
-from arborl.rollout.dynamic import DynamicSampling
+from arborl.run.job import train
+from arborl.scheduling.consume import make_consume
+from arborl.scheduling.dynamic import DynamicSampling
 
 SUITE = Path(__file__).resolve().parent / "helpers" / "difficulty_suite.py"
 

@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "arborl"
 CONCRETE = {"AsyncEngine", "LLMEngine", "ServerEngine", "ServedEngine", "VLLMEngine", "SGLangEngine", "ActorEngine",
             "PDEngine"}
 CONSUMERS = ["engine/pool.py", "engine/dispatcher.py", "engine/affinity.py", "cluster/pd.py", "gateway", "rollout",
-             "controller.py"]
+             "run/controller.py"]
 
 
 def _members(proto: type) -> set[str]:

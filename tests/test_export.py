@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from arborl.cli import app
 from arborl.config import ModelConfig
-from arborl.job import train
+from arborl.run.job import train
 from arborl.models import load_model, tiny_llama
 from arborl.models.hf_dir import save_hf_dir
 from arborl.models.loading import load_tokenizer

@@ -11,7 +11,7 @@ import pytest
 
 from arborl.config import ConfigError, load_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.registry import Registry, RegistryError, load_object
 
 TASK_FILE = '''

@@ -131,7 +131,7 @@ def test_an_untrusted_agent_cannot_reward_itself_and_the_harness_can(h):
 
 def test_rollout_trust_agent_rewards_reaches_the_gateways_sessions(tmp_path):
     """The knob, through build_gateway: off, a session's agent key is refused its own reward; on, it posts."""
-    from arborl.assemble import build_gateway
+    from arborl.run.assemble import build_gateway
     from arborl.config import load_config
     from arborl.gateway import PermissionDeniedError
 

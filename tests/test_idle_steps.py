@@ -14,7 +14,7 @@ from helpers.tiny_run import tiny_cfg
 from rich.console import Console
 
 from arborl.config import ConfigError, load_config
-from arborl.job import IdleRunError, train
+from arborl.run.job import IdleRunError, train
 
 CONSTANT_TASK = '''
 from arborl.agents import ReActAgent

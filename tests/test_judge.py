@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import JudgeConfig, load_config
-from arborl.controller import Controller, make_judge
+from arborl.run.controller import Controller, make_judge
 from arborl.tasks import make_suite
 from arborl.tasks.judge import JudgeVerdict, apply_verdict, parse_verdict
 

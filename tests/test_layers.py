@@ -13,14 +13,14 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "arborl"
 LAYERS: list[set[str]] = [
     {"types", "seeding", "registry"},  # records and ground-floor helpers
     {"config", "config_paths", "run_config"},  # the one pydantic config tree, its path knobs; a run directory's own config and its changes
-    {"prefix", "rollout", "rewards", "datapool", "report", "envs"},  # prefix tree, scheduling policies, reward math, storage, sandboxes
+    {"prefix", "scheduling", "rewards", "datapool", "report", "envs"},  # prefix tree, scheduling policies, reward math, storage, sandboxes
     {"models"},  # loading, the shared decoder forward
     {"engine", "train"},  # built-in engine + engine pool; samples, losses, packing, trainer
     {"gateway"},  # OpenAI-compatible server, sessions, recording
     {"agents"},  # white-box loops, black-box runner
     {"tasks"},  # task suites
-    {"controller", "assemble", "sim", "extensions", "workers", "cluster"},  # the step loop, wiring, simulator, rollout workers, Ray
-    {"job", "serve", "cli", "bench", "docs_knobs", "docs_glossary", "docs_figures", "rundir", "stopping", "export", "show", "dashboard", "sft"},  # entry points
+    {"sim", "extensions", "workers", "cluster"},  # simulator, extensions, rollout workers, Ray
+    {"run", "serve", "cli", "bench", "export", "show", "dashboard"},  # entry points (run: step loop, wiring, job, sft, run dir)
 ]
 
 

@@ -12,7 +12,7 @@ import struct
 import pytest
 from helpers.tiny_run import tiny_cfg
 
-from arborl.job import train
+from arborl.run.job import train
 from arborl.report.loggers import LoggerUnavailableError, RunLoggers, scalars
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import Config, EngineConfig, ModelConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.models import load_model

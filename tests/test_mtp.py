@@ -18,7 +18,7 @@ from arborl.engine import LLMEngine
 from arborl.engine.backends import builtin
 from arborl.engine.spec.mtp import MTPHead, head_state, load_head, save_head
 from arborl.export import export_run
-from arborl.job import train
+from arborl.run.job import train
 from arborl.models import load_model, tiny_llama
 from arborl.train.mtp import MTPTrainer, generated_runs, make_mtp_trainer, mtp_loss
 from arborl.types import (

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from arborl.config import load_config
-from arborl.job import train
+from arborl.run.job import train
 from arborl.train.checkpoint import has_checkpoint
 from helpers.parallel import rank_children
 from helpers.tiny_run import overrides

@@ -11,7 +11,7 @@ import pytest
 from helpers.tiny_run import tiny_cfg
 
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 
 
 def _steps(cfg) -> list[dict]:

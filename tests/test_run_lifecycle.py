@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from arborl.cli import app
 from arborl.config import dump_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.run_config import resume_config
 from arborl.types import EpisodeStatus
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from arborl.agents import run_agent
 from arborl.agents.sandboxed import SandboxedCommand
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import EnvsConfig, load_config
 from arborl.envs import make_runtime
 from arborl.types import EpisodeStatus, Task

@@ -9,8 +9,8 @@ import pytest
 
 from arborl.config import load_config
 from arborl.datapool import DataPool
-from arborl.job import train
-from arborl.rollout.policies import Traced, window_items
+from arborl.run.job import train
+from arborl.scheduling.policies import Traced, window_items
 
 
 def tiny_cfg(tmp_path, name: str, *extra: str):
@@ -25,7 +25,7 @@ def tiny_cfg(tmp_path, name: str, *extra: str):
 
 def trace_consumption(monkeypatch) -> list[Traced]:
     """Record every decision of the consumption policy the controller builds (``Traced``)."""
-    from arborl import controller
+    from arborl.run import controller
 
     traced: list[Traced] = []
     real = controller.make_consume
@@ -97,7 +97,7 @@ def test_stale_tokens_are_masked(tmp_path):
 def test_real_controller_decisions_replay_into_the_simulators_policy(tmp_path, monkeypatch):
     """The asyncio controller's consumption decisions, recorded during real training, are the decisions
     the simulator's policy (built by ``arborl.sim.build_policies``) makes on the same event sequence."""
-    from arborl.rollout.policies import replay
+    from arborl.scheduling.policies import replay
     from arborl.sim import build_policies
 
     traced = trace_consumption(monkeypatch)
@@ -225,7 +225,7 @@ def test_abort_resume_at_a_publish_resumes_requests_in_flight_under_the_new_weig
 
 
 def test_tool_use_counts_episodes_with_a_recorded_tool_run_whatever_the_suite():
-    from arborl.controller import tool_use
+    from arborl.run.controller import tool_use
     from arborl.types import Episode
 
     tool = Episode("t1", interactions=[{"kind": "tool", "tool": "run", "after_call": "c1"}])

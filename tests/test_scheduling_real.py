@@ -9,9 +9,9 @@ import torch
 from arborl.config import EngineConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.models import tiny_llama
-from arborl.rollout.partial import continuation, mask_stale, merge, stale_token_mask
-from arborl.rollout.policies import Traced, replay
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.partial import continuation, mask_stale, merge, stale_token_mask
+from arborl.scheduling.policies import Traced, replay
+from arborl.scheduling.timeline import Timeline
 from arborl.sim import build_policies, parse_variant, workload
 from arborl.sim.engine_instance import EngineInstance, TokenStore, transfer_kv
 from arborl.sim.instance import SimInstance

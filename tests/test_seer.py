@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborl.rollout.policies import PRIORITY_PROBE, DispatchPolicy, RequestSpec
+from arborl.scheduling.policies import PRIORITY_PROBE, DispatchPolicy, RequestSpec
 from arborl.config import SchedulingConfig
 from arborl.registry import RegistryError
-from arborl.rollout.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
+from arborl.scheduling.dispatch import PinnedDispatch, SeerDispatch, make_dispatch
 
 MAX = 64
 
@@ -275,7 +275,7 @@ def test_a_queued_probe_stays_queued_when_its_group_first_finishes_at_the_cap():
 
 
 def test_forget_frees_finished_requests_and_idle_groups(monkeypatch):
-    import arborl.rollout.dispatch as seer
+    import arborl.scheduling.dispatch as seer
 
     monkeypatch.setattr(seer, "MAX_IDLE_GROUPS", 2)
     for p in (SeerDispatch(chunk_tokens=0), PinnedDispatch(2)):

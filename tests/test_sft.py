@@ -13,7 +13,7 @@ from arborl.config import load_config
 from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.gateway.transcript import transcript_sample
 from arborl.models import load_model
-from arborl.sft import TranscriptError, read_transcripts, sft
+from arborl.run.sft import TranscriptError, read_transcripts, sft
 
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "say a word back",
                                            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]

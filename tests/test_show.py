@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from arborl.cli import app
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.show import transcript
 from arborl.types import Call, Episode
 

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from arborl.cli import app
 from arborl.config import load_config
-from arborl.rollout.policies import ReplayMismatch, replay, window_items
-from arborl.rollout.dispatch import make_dispatch
+from arborl.scheduling.policies import ReplayMismatch, replay, window_items
+from arborl.scheduling.dispatch import make_dispatch
 from arborl.sim import build_policies, parse_variant, run_variant, simulate
 from arborl.sim.cost import CostModel, fit_decode, fit_prefill
 from arborl.sim.instance import Admit, SimInstance
@@ -215,7 +215,7 @@ def test_oracle_reference_runs_longest_true_length_first():
     """The bench's oracle reference (true lengths known in advance) dispatches, among the first
     assignments, requests in non-increasing true length; it is a drop-in dispatch policy."""
     from arborl.bench.scheduling_bench import OracleLongestFirst
-    from arborl.rollout.policies import Traced
+    from arborl.scheduling.policies import Traced
     from arborl.sim import workload
 
     cfg = load_config(None, SMALL + ["sim.steps=1"])

@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from arborl.cli import app
 from arborl.config import load_config
-from arborl.controller import draw_tasks
+from arborl.run.controller import draw_tasks
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.tasks import make_suite
 
 

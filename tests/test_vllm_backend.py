@@ -16,13 +16,13 @@ import httpx
 import pytest
 import torch
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import load_config
 from arborl.engine.backends import ENGINE_BACKENDS
 from arborl.engine.backends.vllm import VLLMEngine, vllm_python
 from arborl.gateway.errors import EngineFailedError
 from arborl.models import load_model, tiny_llama
-from arborl.rollout.partial import continuation, merge
+from arborl.scheduling.partial import continuation, merge
 from arborl.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -78,7 +78,7 @@ def test_same_messages_and_prompt_token_ids(tiny):
 
 
 def test_step_tasks_are_what_the_controller_draws():
-    from arborl.controller import draw_tasks
+    from arborl.run.controller import draw_tasks
 
     wl = Workload(steps=3)
     for k in range(wl.steps):  # the controller's task stream: draw k is what synchronous step k trains on

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import load_config
-from arborl.controller import Controller
+from arborl.run.controller import Controller
 from arborl.tasks import make_suite
 from arborl.types import EpisodeStatus
 

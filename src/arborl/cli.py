@@ -127,9 +127,9 @@ def train(
     """Train a policy with agentic RL (default: the calculator task on SmolLM2-135M-Instruct, CPU).
     Ctrl-C or SIGTERM stops after the step in flight with a checkpoint (exit status 130 / 143)."""
     from arborl.config import ConfigError, load_config
-    from arborl.job import train as run_train
+    from arborl.run.job import train as run_train
     from arborl.run_config import resume_config
-    from arborl.stopping import RunStopped
+    from arborl.run.stopping import RunStopped
     from arborl.types import ArborlError
 
     console = Console()
@@ -158,7 +158,7 @@ def eval_cmd(
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
     """Held-out success of the configured model or of a checkpoint; prints a table and a JSON line."""
-    from arborl.job import evaluate
+    from arborl.run.job import evaluate
     from arborl.run_config import eval_config
     from arborl.types import ArborlError
 
@@ -402,7 +402,7 @@ def sft(
     """Supervised fine-tuning on chat transcripts (OpenAI messages + tools), loss on assistant tokens only;
     writes runs/NAME/ like `arborl train` (checkpoint/ is a Hugging Face model directory)."""
     from arborl.config import load_config
-    from arborl.sft import sft as run_sft
+    from arborl.run.sft import sft as run_sft
     from arborl.types import ArborlError
 
     console = Console(stderr=True)

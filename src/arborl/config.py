@@ -1,7 +1,7 @@
 """One pydantic config tree, YAML files and ``--set a.b=c`` overrides.
 
 Every knob has a type, a default and a one-line description (with its unit); docs/knobs.md is
-generated from these models by ``python -m arborl.docs_knobs``.
+generated from these models by ``python scripts/docs_knobs.py``.
 """
 
 from __future__ import annotations
@@ -868,7 +868,7 @@ class SchedulingConfig(Section):
         description="what the trainer may consume (registry rollout.consume.CONSUME_POLICIES): sync = on-policy, the "
         "step waits for its batch; async_ratio = ROLL's bounded staleness; windowed_fifo = Forge's generation-order "
         "window; dynamic = sync that skips all-equal groups and over-draws to keep the batch full (DAPO, "
-        "rollout/dynamic.py); or a path to your own, package.module:attr or path/to/file.py:attr",
+        "scheduling/dynamic.py); or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     dynamic_max_draws: float = Field(
         3.0, ge=1, description="dynamic: most groups started per step, as a multiple of the batch (batches)")

@@ -9,8 +9,8 @@ from arborl.engine.backends import ENGINE_BACKENDS
 from arborl.engine.spec import DRAFTERS
 from arborl.registry import Registry, RegistryError
 from arborl.rewards import ADVANTAGE_ESTIMATORS
-from arborl.rollout.consume import CONSUME_POLICIES
-from arborl.rollout.dispatch import DISPATCH_POLICIES
+from arborl.scheduling.consume import CONSUME_POLICIES
+from arborl.scheduling.dispatch import DISPATCH_POLICIES
 from arborl.tasks import TASK_SUITES
 from arborl.tasks.reward_fn import REWARD_FUNCTIONS
 from arborl.train.losses import resolve_loss

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import dump_config, load_config
 from arborl.dashboard import create_app as dashboard_app
 from arborl.extensions import check_extensions

@@ -38,7 +38,7 @@ from arborl.gateway.stitching import CallRecord, Stitched, stitch_chat
 from arborl.models import LoadedModel, load_model
 from arborl.engine.dispatcher import Dispatcher
 from arborl.engine.pool import EnginePool
-from arborl.rollout.dispatch import SeerDispatch
+from arborl.scheduling.dispatch import SeerDispatch
 
 ADD_TOOL = {
     "type": "function",

@@ -14,10 +14,10 @@ from helpers.tiny_run import tiny_cfg
 
 from arborl.config import dump_config
 from arborl.datapool import DataPool
-from arborl.job import train
+from arborl.run.job import train
 from arborl.models.loading import ensure_smollm2_dir
 from arborl.report import MetricsLog
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.timeline import Timeline
 from arborl.types import Call, Episode, EpisodeStatus
 
 

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from arborl.assemble import Assembled, build_gateway
+from arborl.run.assemble import Assembled, build_gateway
 from arborl.bench.engine_bench import QUESTIONS
 from arborl.config import Config, load_config
 from arborl.engine.backends import BackendError

@@ -40,11 +40,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.cluster import disaggregate
 from arborl.cluster.session import start, stop
 from arborl.config import Config, load_config
-from arborl.controller import Controller
+from arborl.run.controller import Controller
 from arborl.models import load_model
 from arborl.tasks import make_suite
 from arborl.train.trainer import Trainer
@@ -195,9 +195,9 @@ def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
     import sqlite3
     import threading
 
-    from arborl import job
+    from arborl.run import job
     from arborl.cluster.supervise import actor_name
-    from arborl.rundir import RunDir
+    from arborl.run.rundir import RunDir
 
     cfg = _cfg(root, "trainer-fault", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0",
                "rollout.steps=3", "rollout.checkpoint_every=1")

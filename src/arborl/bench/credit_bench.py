@@ -72,7 +72,7 @@ def _available(name: str) -> bool:
 def _train(overrides: list[str], root: Path, name: str) -> dict[str, Any]:
     """One training run in-process; its summary and per-step metrics."""
     from arborl.config import load_config
-    from arborl.job import train
+    from arborl.run.job import train
 
     cfg = load_config(None, [f"runs_dir={root}", f"name={name}", *BASE, *overrides])
     summary = train(cfg, console=Console(quiet=True))

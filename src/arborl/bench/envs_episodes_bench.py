@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.config import Config, load_config
-from arborl.controller import Controller
+from arborl.run.controller import Controller
 from arborl.tasks import make_suite
 
 REPO = Path(__file__).resolve().parents[3]
@@ -101,7 +101,7 @@ def training_section(quick: bool, console, run_dir: Path | None = None) -> dict[
                     "run `make code-repair` (or `arborl train configs/code_repair.yaml`) first"}
         console.print(f"code_repair training: the recorded job {recorded} (summary.json) ...")
         return job_figures(json.loads(summary_file.read_text()), f"recorded run {summary_file}")
-    from arborl.job import train
+    from arborl.run.job import train
 
     cfg = load_config(JOB, ["name=bench-code-repair"])
     console.print("code_repair training: the whole job (configs/code_repair.yaml: evals, SFT, evals, GRPO, evals) ...")

@@ -32,8 +32,8 @@ from rich.table import Table
 from arborl.config import Config, EngineConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.models import tiny_llama
-from arborl.rollout.dispatch import SeerDispatch
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.dispatch import SeerDispatch
+from arborl.scheduling.timeline import Timeline
 from arborl.sim import build_policies, cost_model, parse_variant, run_variant, workload
 from arborl.sim.calibrate import calibrate
 from arborl.sim.cost import CostModel
@@ -200,7 +200,7 @@ def _gateway_path(model, rcfg: Config, reps: int) -> dict:
 
     from arborl.engine import AsyncEngine
     from arborl.engine.dispatcher import Dispatcher
-    from arborl.rollout.dispatch import PinnedDispatch
+    from arborl.scheduling.dispatch import PinnedDispatch
 
     wl = workload(rcfg.sim)
     g = torch.Generator().manual_seed(0)

@@ -343,7 +343,7 @@ def mtp_online_vs_frozen(steps: int) -> dict:
     enough that the policy drifts): the mtp drafter with its head trained every step (online) vs the same
     starting head never trained again (frozen). The starting head is trained on a first run's step-0
     rollouts. tau per step = 1 + accepted / drafts of that step's rollout."""
-    from arborl.job import train  # entry-point layer, like this bench
+    from arborl.run.job import train  # entry-point layer, like this bench
 
     root = OUT_DIR / "mtp"
     head0 = root / "head0.pt"

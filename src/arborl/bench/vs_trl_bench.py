@@ -80,7 +80,7 @@ class Workload:
 
 def step_tasks(wl: Workload, step: int) -> list[Task]:
     """The tasks of ``step``: what arborl's ``Controller.train_step(step)`` draws (synchronous)."""
-    from arborl.controller import draw_tasks
+    from arborl.run.controller import draw_tasks
 
     return draw_tasks(arith.ArithSuite(), wl.seed, wl.batch_tasks, step)
 
@@ -157,8 +157,8 @@ class ArborlSide:
     on a private event loop (so it can run from inside TRL's callbacks)."""
 
     def __init__(self, wl: Workload, runs_dir: str) -> None:
-        from arborl.assemble import build_gateway
-        from arborl.controller import Controller
+        from arborl.run.assemble import build_gateway
+        from arborl.run.controller import Controller
         from arborl.models import load_model
         from arborl.train.trainer import Trainer
 

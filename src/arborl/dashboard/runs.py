@@ -14,7 +14,7 @@ import yaml
 
 from arborl.config import ConfigError
 from arborl.run_config import CHANGES_FILE, CONFIG_FILE, run_config
-from arborl.rundir import METRICS_FILE
+from arborl.run.rundir import METRICS_FILE
 from arborl.types import ArborlError
 
 SPANS = Path("timeline") / "spans.jsonl"

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from arborl.engine.face import EngineClosedError, EngineFace, TokenEvent
-from arborl.rollout.partial import continuation, merge
-from arborl.rollout.policies import Assignment, RequestSpec
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.partial import continuation, merge
+from arborl.scheduling.policies import Assignment, RequestSpec
+from arborl.scheduling.timeline import Timeline
 from arborl.types import FinishReason, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)

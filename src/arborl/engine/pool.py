@@ -4,7 +4,7 @@
   session's calls stay on its engine so its growing prompt finds its prefix in that engine's KV
   cache, and move to the least-loaded engine when that one is busy (``engine/affinity.py``).
 * **dispatch** (``scheduling.dispatch=seer``, or ``partial_rollout=abort_resume``): a dispatch policy
-  of ``rollout/dispatch.py`` serves every request in pieces from one global queue, grouped by the
+  of ``scheduling/dispatch.py`` serves every request in pieces from one global queue, grouped by the
   session's GRPO group, migrating KV between engines (``engine/dispatcher.py``).
 
 The caller asks for a :class:`Lease` (an engine-shaped handle for one gateway request plus its
@@ -26,7 +26,7 @@ from arborl.config import SchedulingConfig
 from arborl.engine.affinity import AffinityRouter
 from arborl.engine.dispatcher import Dispatcher
 from arborl.engine.face import EngineFace, RequestFace
-from arborl.rollout.dispatch import make_dispatch
+from arborl.scheduling.dispatch import make_dispatch
 
 
 @dataclass

@@ -5,7 +5,7 @@
 * ``create_app`` (app.py): the FastAPI layer; ``GatewayServer`` / ``serve_forever`` (server.py): uvicorn.
 
 Engines are placed by the engine pool (``arborl.engine.pool``); training samples are built from the
-recorded calls by ``arborl.train.samples``; ``arborl.assemble`` builds a gateway from a config.
+recorded calls by ``arborl.train.samples``; ``arborl.run.assemble`` builds a gateway from a config.
 """
 
 from arborl.gateway.core import Gateway, RequestRun, SessionInfo

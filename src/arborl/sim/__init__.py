@@ -1,4 +1,4 @@
-"""Discrete-event simulator of rollout clusters, driving the policies of ``arborl.rollout``.
+"""Discrete-event simulator of rollout clusters, driving the policies of ``arborl.scheduling``.
 
 ``simulate(cfg)`` runs every variant of ``cfg.sim.policies`` (consume/dispatch) on the workload and
 cluster of ``cfg.sim`` with the knobs of ``cfg.scheduling`` and returns one dict of figures per
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from arborl.config import Config, ConfigError, SchedulingConfig, SimConfig
 from arborl.registry import RegistryError
-from arborl.rollout.consume import CONSUME_POLICIES, make_consume
-from arborl.rollout.dispatch import DISPATCH_POLICIES, make_dispatch
-from arborl.rollout.policies import Traced
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.consume import CONSUME_POLICIES, make_consume
+from arborl.scheduling.dispatch import DISPATCH_POLICIES, make_dispatch
+from arborl.scheduling.policies import Traced
+from arborl.scheduling.timeline import Timeline
 from arborl.sim.cost import CostModel
 from arborl.sim.instance import SimInstance
 from arborl.sim.loop import RolloutDriver, RunResult, SimDeadlock

@@ -4,7 +4,7 @@ policy and a dispatch policy, with a trainer that consumes batches and publishes
 The instances are either simulated (``SimInstance``, a cost model: this is the simulator) or real
 built-in engines (``EngineInstance``: each step really runs and its measured duration advances that
 instance's clock, so two engines stepped in turn on one machine behave like two machines). The
-policies are the classes of ``arborl.rollout`` and are only ever called through their protocols.
+policies are the classes of ``arborl.scheduling`` and are only ever called through their protocols.
 
 Per event the driver: hands finished chunks back to the dispatcher, moves episodes to their next
 turn (after the environment latency) or finishes them, tells the consumption policy when a whole
@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from arborl.rollout.policies import Assignment, Batch, RequestSpec
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.policies import Assignment, Batch, RequestSpec
+from arborl.scheduling.timeline import Timeline
 from arborl.seeding import derive_seed
 from arborl.sim.instance import Admit, ChunkEnd, Instance
 from arborl.sim.workload import EpisodePlan, Workload

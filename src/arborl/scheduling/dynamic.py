@@ -25,8 +25,8 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
-from arborl.rollout.consume import CONSUME_POLICIES, SampleFilter, SyncConsume
-from arborl.rollout.policies import Batch
+from arborl.scheduling.consume import CONSUME_POLICIES, SampleFilter, SyncConsume
+from arborl.scheduling.policies import Batch
 
 if TYPE_CHECKING:
     from arborl.config import SchedulingConfig

@@ -2,7 +2,7 @@
 
 Episodes run as white-box agents through the gateway (so every token is recorded in the data pool),
 grouped G to a task (the GRPO group). A **consumption policy** (``scheduling.consume``, a registry of
-``rollout/consume.py``: sync, async_ratio, windowed_fifo, or the user's own) decides when groups
+``scheduling/consume.py``: sync, async_ratio, windowed_fifo, or the user's own) decides when groups
 start and which finished groups the trainer takes: ``sync`` starts a step's B groups at the
 trainer's version and waits for all of them (on-policy); the asynchronous policies keep groups in
 flight while the trainer trains. Each step then
@@ -34,9 +34,9 @@ from arborl.config import Config, JudgeConfig
 from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
-from arborl.rollout.consume import make_consume
-from arborl.rollout.partial import mask_stale
-from arborl.rollout.timeline import Timeline
+from arborl.scheduling.consume import make_consume
+from arborl.scheduling.partial import mask_stale
+from arborl.scheduling.timeline import Timeline
 from arborl.seeding import derive_seed
 from arborl.tasks import TaskSuite
 from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, apply_verdict

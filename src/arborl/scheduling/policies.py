@@ -1,10 +1,10 @@
 """The two scheduling decisions of a rollout cluster, as protocols over an abstract event interface.
 
-* A **consumption policy** (``rollout/consume.py``: sync, async_ratio, windowed_fifo) decides which
+* A **consumption policy** (``scheduling/consume.py``: sync, async_ratio, windowed_fifo) decides which
   finished items the trainer may take, when a new item may start, and which running items can no
   longer be trained and should be cancelled. An *item* is the unit the trainer consumes: a GRPO group
   in the controllers of arborl (its advantages need every member), an episode elsewhere.
-* A **dispatch policy** (``rollout/dispatch.py``: pinned, seer) decides which request runs next on an
+* A **dispatch policy** (``scheduling/dispatch.py``: pinned, seer) decides which request runs next on an
   engine instance that has room, and how many new tokens it may produce before it comes back.
 
 Both are pure decision logic: they see only events (start / finish / chunk done / version bump /

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 from arborl.registry import Registry
-from arborl.rollout.policies import Batch, ConsumePolicy, ahead_items, window_items
+from arborl.scheduling.policies import Batch, ConsumePolicy, ahead_items, window_items
 
 if TYPE_CHECKING:
     from arborl.config import SchedulingConfig

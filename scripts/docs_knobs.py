@@ -1,5 +1,5 @@
 """Generate docs/knobs.md from the config models and each loss kind's settings model:
-``python -m arborl.docs_knobs > docs/knobs.md``."""
+``python scripts/docs_knobs.py > docs/knobs.md``."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def render() -> str:
         "# Configuration knobs",
         "",
         "Generated from `src/arborl/config.py` (each loss kind's settings from `src/arborl/train/policy_losses.py`)",
-        "by `make knobs` (`python -m arborl.docs_knobs`); a test fails when this file is stale. Set any knob in a",
+        "by `make knobs` (`python scripts/docs_knobs.py`); a test fails when this file is stale. Set any knob in a",
         "YAML file or with `--set key.path=value`.",
         "",
         "A `--set` value is YAML: `--set rollout.eval_tasks=16`, `--set rollout.data.system_prompt='Be brief.'`. A",

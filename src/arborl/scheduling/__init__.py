@@ -2,4 +2,4 @@
 filter), dispatch (pinned, Seer), partial-rollout arithmetic and the rollout timeline. The engine pool, the
 controller and the simulator drive these same classes."""
 
-from arborl.rollout import dynamic  # noqa: F401  (registers the "dynamic" consumption policy)
+from arborl.scheduling import dynamic  # noqa: F401  (registers the "dynamic" consumption policy)

@@ -27,10 +27,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from arborl.assemble import build_gateway
+from arborl.run.assemble import build_gateway
 from arborl.cluster.supervise import Supervisor, serve_stop, supervised
 from arborl.config import Config, ConfigError, dump_config
-from arborl.controller import Controller
+from arborl.run.controller import Controller
 from arborl.extensions import check_extensions
 from arborl.models import load_model
 from arborl.report import (
@@ -45,8 +45,8 @@ from arborl.report import (
 from arborl.report.lines import IDLE_ADVICE
 from arborl.report.loggers import RunLoggers, check_loggers
 from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_changes
-from arborl.rundir import RunDir, resume_command
-from arborl.stopping import RunStopped, StopRequest
+from arborl.run.rundir import RunDir, resume_command
+from arborl.run.stopping import RunStopped, StopRequest
 from arborl.tasks import ConfiguredSuite, make_suite
 from arborl.train.checkpoint import existing_checkpoint, load_model_weights
 from arborl.train.mtp import resumed_config
@@ -105,7 +105,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         run.check_new()
     suite = make_suite(cfg.rollout)  # data files read, reward file imported and tried: all before the model loads
     if not resume and cfg.train.sft.files:  # the warm start's transcripts too: a missing file fails here
-        from arborl.sft import read_transcripts
+        from arborl.run.sft import read_transcripts
 
         read_transcripts(cfg.train.sft.files)
 
@@ -161,7 +161,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                                         also=ctl.mtp.save if ctl.mtp is not None else None)
 
             async def sft_warm_start(summary: dict[str, Any]) -> None:
-                from arborl.sft import warm_start
+                from arborl.run.sft import warm_start
 
                 await warm_start(cfg, ctl, trainer, loaded.tokenizer, metrics.write, console, summary)
 

@@ -40,7 +40,7 @@ from arborl.models import load_model
 from arborl.report import plot_run, summary_table
 from arborl.report.loggers import RunLoggers, check_loggers
 from arborl.run_config import CONFIG_FILE
-from arborl.rundir import RunDir
+from arborl.run.rundir import RunDir
 from arborl.train.checkpoint import save_checkpoint
 from arborl.train.samples import episode_samples, usable
 from arborl.train.sft import masked_nll, sft_config, sft_epochs, sft_mode
@@ -222,7 +222,7 @@ async def rejection_rounds(cfg: Config, ctl: Any, trainer: Trainer, renderer: Ch
     rj = cfg.train.sft.rejection
     out: dict[str, Any] = {}
     for rnd in range(rj.rounds):
-        from arborl.controller import draw_tasks
+        from arborl.run.controller import draw_tasks
 
         tasks = draw_tasks(ctl.suite, cfg.seed + 7919 * (rnd + 1), rj.tasks, rnd)
         if rj.base_url:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from arborl.registry import Registry
-from arborl.rollout.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, DispatchPolicy, RequestSpec
+from arborl.scheduling.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, DispatchPolicy, RequestSpec
 
 if TYPE_CHECKING:
     from arborl.config import SchedulingConfig

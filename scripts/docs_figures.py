@@ -1,4 +1,4 @@
-"""Render README's measured-figures table from docs/figures.json: ``python -m arborl.docs_figures``.
+"""Render README's measured-figures table from docs/figures.json: ``python scripts/docs_figures.py``.
 
 Rewrites the block between ``<!-- figures:begin -->`` and ``<!-- figures:end -->`` in README.md from the
 record ``arborl bench all`` writes (``make figures`` does both); ``--check`` exits 1 when the block is
@@ -103,7 +103,7 @@ def rewrite(readme: str, block: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m arborl.docs_figures", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python scripts/docs_figures.py", description=__doc__.splitlines()[0])
     p.add_argument("--record", type=Path, default=Path("docs/figures.json"), help="the record (arborl bench all)")
     p.add_argument("--readme", type=Path, default=Path("README.md"), help="the file with the markers")
     p.add_argument("--check", action="store_true",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if new != readme:
             print(f"{args.readme} is stale: its figures block differs from {args.record}; run "
-                  "`python -m arborl.docs_figures`", file=sys.stderr)
+                  "`python scripts/docs_figures.py`", file=sys.stderr)
             return 1
         return 0
     if new != readme:
