@@ -875,6 +875,16 @@ class SchedulingConfig(Section):
     dynamic_skip_after: int = Field(
         2, ge=0, description="dynamic: skip a task whose last this-many groups were all-pass or all-fail "
         "(groups; 0 = never skip tasks)")
+    curriculum_key: str = Field(
+        "", description="curriculum: the task metadata key whose values order the tasks by difficulty (code_repair: "
+        "tier; a dataset: any column); '' = off. Training draws only tasks whose value is unlocked; evaluation is "
+        "never filtered")
+    curriculum: list[str] = Field(
+        default_factory=list, description="curriculum: the key's values from easiest to hardest (e.g. [easy, medium, "
+        "hard]); the first is unlocked at the start, one more every curriculum_steps steps; a task whose value is "
+        "missing or not listed comes after all of them")
+    curriculum_steps: int = Field(
+        10, ge=1, description="curriculum: training steps before the next value is unlocked (steps)")
     async_ratio: float = Field(
         1.0,
         ge=0,
@@ -941,6 +951,18 @@ class SchedulingConfig(Section):
     timeline: bool = Field(
         True, description="record per-request rollout events and write a Gantt PNG per step into the run directory"
     )
+
+    @field_validator("curriculum", mode="before")
+    @classmethod
+    def _curriculum_list(cls, value: Any) -> Any:
+        return _comma_list(value)  # --set scheduling.curriculum=easy,medium,hard
+
+    @model_validator(mode="after")
+    def _curriculum_complete(self) -> "SchedulingConfig":
+        if bool(self.curriculum_key) != bool(self.curriculum):
+            raise ValueError("scheduling.curriculum_key and scheduling.curriculum go together: set both (e.g. "
+                             "curriculum_key=tier, curriculum=[easy,medium,hard]) or neither")
+        return self
 
 
 def _comma_list(value: Any) -> Any:

@@ -35,6 +35,7 @@ from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
 from arborl.scheduling.consume import make_consume
+from arborl.scheduling.curriculum import Curriculum, CurriculumError
 from arborl.scheduling.partial import mask_stale
 from arborl.scheduling.timeline import Timeline
 from arborl.seeding import derive_seed
@@ -45,6 +46,8 @@ from arborl.train.samples import build_samples, call_token_values
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError, Episode, EpisodeStatus, Sample, Task
 from arborl.workers import RemoteAgent, WorkerPool
+
+_MAX_LOCKED_DRAWS = 64  # batches of locked tasks in a row before the curriculum is declared unsatisfiable
 
 
 class Controller:
@@ -77,6 +80,9 @@ class Controller:
         self._changed = asyncio.Event()
         self._started = start_step * cfg.rollout.batch_tasks  # the position in the task stream
         self._draws: dict[int, list[Task]] = {}
+        sc = cfg.scheduling
+        self.curriculum = Curriculum(sc.curriculum_key, sc.curriculum, sc.curriculum_steps) if sc.curriculum_key else None
+        self._step = start_step  # the training step being filled (0-based): the curriculum's clock
         self.t0 = time.time()
         self.timeline = Timeline() if cfg.scheduling.timeline else None
         self.workers: WorkerPool | None = None  # started on the first episode when rollout.workers > 0
@@ -156,8 +162,8 @@ class Controller:
         return list(await asyncio.gather(*jobs))
 
     # -- groups under the consumption policy ------------------------------------------------------
-    def _next_task(self) -> tuple[Task, str]:
-        """The next task of the stream and its draw's tag."""
+    def _next_task(self) -> tuple[Task, int]:
+        """The next task of the stream and the draw it belongs to."""
         b = self.cfg.rollout.batch_tasks
         draw, pos = divmod(self._started, b)
         self._started += 1
@@ -166,12 +172,24 @@ class Controller:
         task = self._draws[draw][pos]
         if pos == b - 1:
             del self._draws[draw]
-        return task, f"step{draw}"
+        return task, draw
 
     def _fill(self) -> None:
         admit = getattr(self.policy, "admit", None)  # a difficulty-aware policy may skip a drawn task
+        locked = 0  # tasks in a row the curriculum passed over
         while self.policy.can_start():
-            task, tag = self._next_task()
+            task, draw = self._next_task()
+            tag = f"step{draw}"
+            if self.curriculum is not None and not self.curriculum.admits(task.metadata, self._step):
+                locked += 1
+                if locked > _MAX_LOCKED_DRAWS * self.cfg.rollout.batch_tasks:
+                    c = self.curriculum
+                    raise CurriculumError(
+                        f"scheduling.curriculum: {locked} tasks in a row had {c.key} outside {c.unlocked(self._step)} (the "
+                        f"values unlocked at step {self._step + 1}); the train split may hold none of them: check "
+                        f"scheduling.curriculum_key and scheduling.curriculum against the tasks' metadata")
+                continue
+            locked = 0
             if admit is not None and not admit(task.task_id):
                 continue
             gid = f"{tag}:{task.task_id}"
@@ -252,6 +270,7 @@ class Controller:
     async def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         assert self.trainer is not None, "a controller without a trainer only evaluates"
+        self._step = step
         t0 = time.perf_counter()
         dispatcher = self.engines.dispatcher
         if dispatcher is not None and self.timeline is not None:  # one span per piece (engine, chunk)
@@ -319,6 +338,8 @@ class Controller:
             "sched/masked_tokens": masked,
             **{f"sched/{k}": st[k] for k in ("all_equal_groups", "overdrawn_groups", "skipped_tasks", "short_batches")
                if k in st},
+            **({"sched/curriculum_stage": float(self.curriculum.stage(step)),
+                "sched/curriculum_skipped": float(self.curriculum.skipped)} if self.curriculum is not None else {}),
             "rollout/infra_failures": self.infra_failures,
             **({f"rollout/{k}": v for k, v in self.workers.stats().items()} if self.workers else {}),
             **{f"dispatch/{k}": v for k, v in self.engines.dispatch_stats().items()},
