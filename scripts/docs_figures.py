@@ -2,7 +2,7 @@
 
 Rewrites the block between ``<!-- figures:begin -->`` and ``<!-- figures:end -->`` in README.md from the
 record ``arborl bench all`` writes (``make figures`` does both); ``--check`` exits 1 when the block is
-stale instead of writing it. The record's format: bench/all_bench.py; what a spread means: docs/figures.md.
+stale instead of writing it. The record's format: benchmarks/arborl_bench/all_bench.py; what a spread means: docs/figures.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from arborl.bench import BENCHMARKS
-from arborl.bench.figures import caveats
+from arborl_bench import BENCHMARKS
+from arborl_bench.figures import caveats
 
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 UNITS = {"x": "×", "ms": " ms", "s": " s", "tok/s": " tok/s", "eps/s": " episodes/s", "frac": "", "count": "",

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from arborl.run.assemble import build_gateway
-from arborl.bench.backends_bench import mismatch_kl, rollout_episodes, token_fidelity, weight_update_seconds
+from arborl_bench.backends_bench import mismatch_kl, rollout_episodes, token_fidelity, weight_update_seconds
 from arborl.config import load_config
 from arborl.engine.backends import ENGINE_BACKENDS
 from arborl.models import load_model

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from arborl.bench.parallel_bench import _rel, workload
+from arborl_bench.parallel_bench import _rel, workload
 from arborl.config import ModelConfig, TrainConfig
 from arborl.models import load_model
 from arborl.train.parallel import full_grads, full_params, single_state_bytes

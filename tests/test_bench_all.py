@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 import docs_figures
-from arborl.bench import BENCHMARKS
-from arborl.bench.all_bench import Attempt, appended, bench_entry, kept_entries, machine, run_process
-from arborl.bench.figures import HEADLINES, lookup, spread, summarize
+from arborl_bench import BENCHMARKS
+from arborl_bench.all_bench import Attempt, appended, bench_entry, kept_entries, machine, run_process
+from arborl_bench.figures import HEADLINES, lookup, spread, summarize
 from arborl.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -67,7 +67,7 @@ def test_one_train_runs_evals_sft_evals_rl_evals_and_keeps_them_in_the_summary(t
     # `arborl bench envs --quick` reads these figures from a recorded run of the job
     from rich.console import Console
 
-    from arborl.bench.envs_episodes_bench import training_section
+    from arborl_bench.envs_episodes_bench import training_section
 
     figures = training_section(True, Console(quiet=True), run_dir=cfg.run_dir)
     assert figures["code_repair_success_before"] == summary["eval_success_before"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from arborl.bench.envs_tasks_bench import one_per_template
+from arborl_bench.envs_tasks_bench import one_per_template
 from arborl.cli import app
 from arborl.config import EnvsConfig
 from arborl.envs import make_runtime

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from arborl.bench import BENCHMARKS, get_benchmark
-from arborl.bench import credit_bench as cb
+from arborl_bench import BENCHMARKS, get_benchmark
+from arborl_bench import credit_bench as cb
 from arborl.config import load_config
 
 
 def test_registered():
-    assert BENCHMARKS["credit"] == "arborl.bench.credit_bench:run" and get_benchmark("credit") is cb.run
+    assert BENCHMARKS["credit"] == "arborl_bench.credit_bench:run" and get_benchmark("credit") is cb.run
 
 
 @pytest.mark.parametrize("label", sorted(cb.CREDIT))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborl.bench.vllm_column import EngineWorker, WorkerError
+from arborl_bench.vllm_column import EngineWorker, WorkerError
 from arborl.config import EngineConfig
 from arborl.engine import LLMEngine
 from arborl.models import LoadedModel, tiny_llama
@@ -146,7 +146,7 @@ def test_the_roofline_counts_the_bytes_and_multiply_adds_a_decode_step_streams()
     a step reads (float32 panels; half of them for the bf16 rollout) and its fraction of the limit."""
     import copy
 
-    from arborl.bench.engine_bench import decode_roofline, machine_limits
+    from arborl_bench.engine_bench import decode_roofline, machine_limits
     from arborl.engine import cpu_kernels
     from arborl.models.quantize import cpu_has_bf16, to_serving_dtype
 

@@ -1,4 +1,4 @@
-"""Every way out of the sandbox in arborl.envs.escapes is tried for real against bubblewrap and must
+"""Every way out of the sandbox in arborl_bench.escapes is tried for real against bubblewrap and must
 fail, as the user running the suite and (when that is root) as a non-root user too; the same attempts
 against the unsandboxed local runtime get out (so each check can see an escape)."""
 
@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 
 from arborl.config import EnvsConfig
-from arborl.envs import SandboxUnavailableError, escapes, make_runtime, seccomp
+import arborl
+import arborl_bench.escapes as escapes
+from arborl.envs import SandboxUnavailableError, make_runtime, seccomp
 
 SMALL = dict(disk_mb=16, file_size_mb=8, processes=32, tmp_mb=8, wall_s=20)
-SRC = Path(escapes.__file__).resolve().parents[2]
+# the source roots of arborl and of the harness (benchmarks/), as a PYTHONPATH
+SRC = f"{Path(arborl.__file__).resolve().parents[1]}:{Path(escapes.__file__).resolve().parents[1]}"
 NON_ROOT_UID = EnvsConfig().sandbox_uid_base - 1  # below the pool: no workspace runs as it
 
 
@@ -132,7 +135,7 @@ def _python_for(uid: int) -> tuple[str, str] | None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a non-root user")
 def test_bwrap_contains_every_attempt_as_a_non_root_user():
-    """The whole list, run by ``python -m arborl.envs.escapes`` as an unprivileged uid (bwrap in a user
+    """The whole list, run by ``python -m arborl_bench.escapes`` as an unprivileged uid (bwrap in a user
     namespace, no uid pool): none gets out."""
     found = _python_for(NON_ROOT_UID)
     if found is None:
@@ -141,7 +144,7 @@ def test_bwrap_contains_every_attempt_as_a_non_root_user():
     work = Path(tempfile.mkdtemp(prefix="arborl-escapes-nonroot-"))
     try:
         os.chown(work, NON_ROOT_UID, NON_ROOT_UID)
-        r = subprocess.run([*_as_user(NON_ROOT_UID), exe, "-m", "arborl.envs.escapes", str(work)],
+        r = subprocess.run([*_as_user(NON_ROOT_UID), exe, "-m", "arborl_bench.escapes", str(work)],
                            env={"PATH": "/usr/bin:/bin", "HOME": str(work), "PYTHONPATH": path},
                            capture_output=True, text=True, timeout=300)
     finally:

@@ -263,10 +263,10 @@ def test_auto_backend_on_cpu_is_blocks():
 
 
 def test_bench_workloads_have_the_stated_sharing():
-    from arborl.bench import BENCHMARKS
-    from arborl.bench.tree_packing_bench import grpo_workload
+    from arborl_bench import BENCHMARKS
+    from arborl_bench.tree_packing_bench import grpo_workload
 
-    assert BENCHMARKS["tree-packing"] == "arborl.bench.tree_packing_bench:run"
+    assert BENCHMARKS["tree-packing"] == "arborl_bench.tree_packing_bench:run"
     rng = random.Random(0)
     for (p, r), shared in {(192, 18): 0.80, (512, 48): 0.80, (48, 72): 0.35, (128, 192): 0.35}.items():
         (group,) = grpo_workload(rng, 49152, 1, p, r).batches

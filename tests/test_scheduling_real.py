@@ -179,7 +179,7 @@ def test_calibration_measures_the_engine_and_fits_it(model):
 
 
 def test_bench_migration_measurement_runs(model):
-    from arborl.bench import scheduling_bench as sb
+    from arborl_bench import scheduling_bench as sb
 
     rows = sb.measure_migration(tiny_llama(layers=2, hidden=64, vocab=sb.TINY["vocab"], heads=4, kv_heads=2), [32], reps=1)
     assert rows[0]["context"] == 32 and rows[0]["recompute_s"] > 0 and rows[0]["transfer_s"] > 0

@@ -214,7 +214,7 @@ def test_oversampling_cancels_the_surplus_once_the_batch_is_full():
 def test_oracle_reference_runs_longest_true_length_first():
     """The bench's oracle reference (true lengths known in advance) dispatches, among the first
     assignments, requests in non-increasing true length; it is a drop-in dispatch policy."""
-    from arborl.bench.scheduling_bench import OracleLongestFirst
+    from arborl_bench.scheduling_bench import OracleLongestFirst
     from arborl.scheduling.policies import Traced
     from arborl.sim import workload
 

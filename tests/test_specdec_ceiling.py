@@ -1,4 +1,4 @@
-"""The bench's noise-free replay of drafting (arborl.bench.specdec_ceiling) against the live engine:
+"""The bench's noise-free replay of drafting (arborl_bench.specdec_ceiling) against the live engine:
 with position-keyed sampling a draft's accepted count is its common prefix with the text, so replaying
 the tabulated positions must give the engine's own drafts and accepted tokens, draft by draft."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from arborl.bench.specdec_ceiling import (
+from arborl_bench.specdec_ceiling import (
     RULES,
     Position,
     free_rows,

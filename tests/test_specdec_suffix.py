@@ -150,7 +150,7 @@ def test_suffix_knobs_change_the_drafts():
 def test_paired_tau_measures_every_variant_on_the_same_streams():
     """The bench's tau: the three variants draft on the same sampled streams; references of the group
     raise it, multi-path more (tiny model, vocab 16, so that siblings share n-grams)."""
-    from arborl.bench.specdec_bench import paired_tau, references
+    from arborl_bench.specdec_bench import paired_tau, references
     from arborl.models.loading import LoadedModel
 
     model = tiny_llama(layers=2, hidden=32, vocab=16, heads=4, kv_heads=2, seed=5, init_std=0.6)

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from arborl.agents.react import task_messages
-from arborl.bench import get_benchmark
-from arborl.bench.vs_trl_bench import (
+from arborl_bench import get_benchmark
+from arborl_bench.vs_trl_bench import (
     Workload,
     arborl_config,
     paired_ratio,
@@ -21,7 +21,7 @@ from arborl.bench.vs_trl_bench import (
 from arborl.config import ModelConfig
 from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.models import load_model
-from arborl.bench.vs_trl_bench import trl_reward
+from arborl_bench.vs_trl_bench import trl_reward
 from arborl.config import RolloutConfig
 from arborl.tasks import arith, make_suite
 
@@ -32,7 +32,7 @@ def tiny():
 
 
 def test_registered():
-    assert get_benchmark("vs-trl").__module__ == "arborl.bench.vs_trl_bench"
+    assert get_benchmark("vs-trl").__module__ == "arborl_bench.vs_trl_bench"
     assert make_suite(RolloutConfig(task="arith")).name == "arith"
 
 
@@ -124,7 +124,7 @@ def test_trl_accepts_the_config_and_multiturn_note(tmp_path, tiny):
     pytest.importorskip("trl")
     from trl import GRPOConfig
 
-    from arborl.bench.vs_trl_bench import multiturn_support
+    from arborl_bench.vs_trl_bench import multiturn_support
 
     args = GRPOConfig(**trl_args(Workload(), str(tmp_path)))
     assert args.bf16 is False and args.gradient_checkpointing is False and args.beta == 0.0
@@ -139,7 +139,7 @@ def test_timing_hooks_fit_installed_trl(tmp_path, tiny):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from arborl.bench.vs_trl_bench import instrument, trl_callback
+    from arborl_bench.vs_trl_bench import instrument, trl_callback
 
     wl = Workload(steps=1, batch_tasks=2, group_size=2, max_tokens=3)
     calls = []

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from arborl import __version__
-from arborl.bench import BENCHMARKS, get_benchmark
+from arborl.registry import RegistryError
 
 app = typer.Typer(
     help="arborl: agentic reinforcement learning for LLMs (fast rollout, prefix-tree training).",
@@ -43,8 +43,10 @@ def _fail(console: Console, error: BaseException, code: int = 2) -> typer.Exit:
 
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help=f"benchmark to run: {', '.join(BENCHMARKS)}; or all: each of them in its "
-                               "own process, the figures recorded with the machine (docs/figures.md)"),
+    name: str = typer.Argument(..., help="benchmark to run: engine, gateway, tree-packing, scheduling, vs-trl, envs, "
+                               "backends, specdec, credit, cluster, parallel (arborl_bench.BENCHMARKS, in benchmarks/); "
+                               "all: each of them in its own process, the figures recorded with the machine "
+                               "(docs/figures.md); or module:attr / file.py:attr of your own run(quick, console)"),
     quick: bool = typer.Option(False, "--quick", help="smaller workload (minutes, not tens of minutes)"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="bench all: runs of each benchmark (median and spread)"),
     only: Optional[str] = typer.Option(None, "--only", help="bench all: these benchmarks (a,b), the other entries of "
@@ -58,17 +60,33 @@ def bench(
     """Run a benchmark: a table of figures, then one JSON object as the last line.
     `arborl bench all` runs every one and writes docs/figures.json (`make figures` also renders README's table)."""
     console = Console(stderr=True)
+    benches = _benchmarks(console)
     if name == "all":
         return _bench_all(console, quick=quick, repeats=repeats, only=only, out=out, timeout_s=timeout_s or None,
                           append=append)
     if repeats != 1 or only is not None or append:
         raise _fail(console, "--repeats, --only and --append are options of `arborl bench all`")
     try:
-        run = get_benchmark(name)
+        run = benches.get_benchmark(name)
     except KeyError:
-        raise _fail(console, f"unknown benchmark {name!r}; choose one of: all, {', '.join(BENCHMARKS)}") from None
+        raise _fail(console, f"unknown benchmark {name!r}; choose one of: all, {', '.join(benches.BENCHMARKS)}, "
+                    "or module:attr / file.py:attr") from None
+    except RegistryError as e:
+        raise _fail(console, e) from None
     figures = run(quick=quick, console=console)
     print(json.dumps(figures, sort_keys=True))
+
+
+def _benchmarks(console: Console):  # noqa: ANN202 - the arborl_bench module
+    """The benchmarks (benchmarks/arborl_bench: the lab, outside the product package), imported on use."""
+    try:
+        import arborl_bench
+    except ModuleNotFoundError as e:
+        if e.name != "arborl_bench":
+            raise
+        raise _fail(console, "the benchmarks are not installed: they live in benchmarks/ of a clone of arborl; "
+                    "install it with pip install -e '.[bench]' from the clone") from None
+    return arborl_bench
 
 
 def _bench_all(console: Console, *, quick: bool, repeats: int, only: Optional[str], out: Path,
@@ -76,7 +94,7 @@ def _bench_all(console: Console, *, quick: bool, repeats: int, only: Optional[st
     import shlex
     import sys
 
-    from arborl.bench.all_bench import RecordError, run_all, select, summary_table
+    from arborl_bench.all_bench import RecordError, run_all, select, summary_table
 
     prog = "arborl" if Path(sys.argv[0]).name == "arborl" else "python -m arborl.cli"
     command = f"{prog} {shlex.join(sys.argv[1:])}"

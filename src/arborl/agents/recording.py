@@ -10,6 +10,7 @@ run exactly as in a recorded episode.
 
 from __future__ import annotations
 
+import abc
 import copy
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import httpx
 from arborl.agents.client import ChatReply
 
 
-class RecordingClient:
+class RecordingClient(abc.ABC):
     """Base: ``await reply(messages, tools, params)`` -> the assistant message (OpenAI dict)."""
 
     def __init__(self, session_id: str | None = None) -> None:
@@ -30,9 +31,10 @@ class RecordingClient:
         self.interactions: list[dict[str, Any]] = []
         self.rewards: list[tuple[str, float]] = []
 
+    @abc.abstractmethod
     async def reply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     params: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The assistant message (an OpenAI dict) for ``messages``."""
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    **params: Any) -> ChatReply:

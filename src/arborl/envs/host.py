@@ -6,6 +6,7 @@ directories, holds a workspace's sandbox uid, and runs ``evaluate`` in a separat
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 import re
@@ -42,7 +43,7 @@ def limits_of(cfg: EnvsConfig) -> Limits:
     )
 
 
-class HostRuntime:
+class HostRuntime(abc.ABC):
     """Workspaces under ``cfg.root_dir``; subclasses implement ``_exec``."""
 
     name = "host"
@@ -199,6 +200,7 @@ class HostRuntime:
         """Without a tmpfs cap (not root), whether the workspace now holds more than disk_mb."""
         return ws.extra.get("disk_cap") == "check" and tree_bytes(ws.path) > self.cfg.disk_mb * 1024 * 1024
 
+    @abc.abstractmethod
     async def _exec(
         self,
         ws: Workspace,
@@ -209,4 +211,4 @@ class HostRuntime:
         stdin: str | None,
         unix_sockets: list[Path],
     ) -> CommandResult:
-        raise NotImplementedError
+        """Run ``argv`` in the workspace the way this runtime isolates it."""

@@ -13,9 +13,9 @@ Sections (each a function ``(quick, console) -> dict`` in ``SECTIONS``; a new pa
 3. copy modes: making a workspace from a small (12 files) and a larger (600 files, ~5 MB) template with
    each ``rollout.envs.copy_mode`` (copy, cp), and for comparison an overlay mount (copy-on-write; root only)
    and hard links (unsafe: an agent's write would change the template): ``copy_<mode>_<size>_ms``.
-4. escapes: the scripted adversarial agent of ``arborl.envs.escapes`` against the sandbox:
+4. escapes: the scripted adversarial agent of ``arborl_bench.escapes`` against the sandbox:
    ``escape_attempts``, ``escapes`` (goal 0), ``escaped`` (names).
-5. code repair: the task suite's validation figures (``bench/envs_tasks_bench.py``).
+5. code repair: the task suite's validation figures (``benchmarks/arborl_bench/envs_tasks_bench.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from rich.table import Table
 from arborl.config import EnvsConfig
 from arborl.envs import make_runtime
 from arborl.envs.bwrap import check_bwrap
-from arborl.envs.escapes import run_escapes
+from arborl_bench.escapes import run_escapes
 from arborl.envs.workspace import copy_tree, copy_with_cp, mount_tmpfs, remove_tree, unmount
 
 CONCURRENCY = 16
@@ -236,22 +236,22 @@ def _section_escapes(quick: bool, work: Path) -> dict:
 
 
 def section_code_repair(quick: bool, console: Console) -> dict:
-    """The task suite's figures (validated tasks, drops): bench/envs_tasks_bench.py."""
-    from arborl.bench.envs_tasks_bench import code_repair_section
+    """The task suite's figures (validated tasks, drops): benchmarks/arborl_bench/envs_tasks_bench.py."""
+    from arborl_bench.envs_tasks_bench import code_repair_section
 
     return code_repair_section(quick, console)
 
 
 def section_episodes(quick: bool, console: Console) -> dict:
-    """Real SmolLM2 code-repair episodes, white-box and black-box: bench/envs_episodes_bench.py."""
-    from arborl.bench.envs_episodes_bench import episodes_section
+    """Real SmolLM2 code-repair episodes, white-box and black-box: benchmarks/arborl_bench/envs_episodes_bench.py."""
+    from arborl_bench.envs_episodes_bench import episodes_section
 
     return episodes_section(quick, console)
 
 
 def section_training(quick: bool, console: Console) -> dict:
     """Held-out success of the code-repair job before SFT, after SFT and after RL (--quick: its recorded run)."""
-    from arborl.bench.envs_episodes_bench import training_section
+    from arborl_bench.envs_episodes_bench import training_section
 
     return training_section(quick, console)
 

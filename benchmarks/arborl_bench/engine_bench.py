@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from arborl.bench.vllm_column import EngineWorker, WorkerError, bench_cores
+from arborl_bench.vllm_column import EngineWorker, WorkerError, bench_cores
 from arborl.config import EngineConfig, ModelConfig
 from arborl.engine import LLMEngine, cpu_kernels
 from arborl.engine.backends.base import BackendError

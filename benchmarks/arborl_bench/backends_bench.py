@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from arborl.run.assemble import Assembled, build_gateway
-from arborl.bench.engine_bench import QUESTIONS
+from arborl_bench.engine_bench import QUESTIONS
 from arborl.config import Config, load_config
 from arborl.engine.backends import BackendError
 from arborl.models import LoadedModel, load_model

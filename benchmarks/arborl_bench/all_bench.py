@@ -5,7 +5,7 @@ each run the record keeps the last-line JSON, the wall time, the exit status and
 average just before and just after. A benchmark that fails or cannot run here (no TRL, no vLLM) is
 recorded with its error and the others still run. The record (docs/figures.json) holds the machine
 (CPU model, ISA flags, cores, memory), the versions, and per benchmark its headline figures
-(bench/figures.py): every value, the median and the spread. ``--only`` reruns some benchmarks and
+(benchmarks/arborl_bench/figures.py): every value, the median and the spread. ``--only`` reruns some benchmarks and
 keeps the other entries of an existing record of the same machine. docs/figures.md says more.
 """
 
@@ -31,8 +31,8 @@ from rich.markup import escape
 from rich.table import Table
 
 import arborl
-from arborl.bench import BENCHMARKS
-from arborl.bench.figures import spread, summarize
+from arborl_bench import BENCHMARKS
+from arborl_bench.figures import spread, summarize
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 STDERR_TAIL = 8  # lines of a failed benchmark's stderr kept as its error

@@ -1,7 +1,7 @@
 """The code-repair suite's figures for ``arborl bench envs``: E3 validation of the suite and of its
 perturbed variants (E5), in the bubblewrap sandbox, in a fresh suite directory (no cached verdicts).
 
-``code_repair_section(quick, console)`` returns the figures; ``bench/envs_bench.py`` calls it (and
+``code_repair_section(quick, console)`` returns the figures; ``benchmarks/arborl_bench/envs_bench.py`` calls it (and
 ``run`` runs it alone). Quick: one base task per template (25, the tiers in turn) with k=2, and the variants of two of them
 (a medium and a hard task: 10, two of each kind) with k=2. Full: every base task (400) with k=3, and one
 variant of each kind per template (up to 125) with k=3.

@@ -13,7 +13,7 @@ system calls of Docker's default seccomp list (new user namespaces, io_uring, pe
 ptrace, personality, other ABIs): each probe reports what the kernel allowed, and one that never reports
 counts as a way out.
 
-``python -m arborl.envs.escapes WORK_DIR [ENVS_ROOT]`` runs the list against the bwrap runtime and prints one
+``python -m arborl_bench.escapes WORK_DIR [ENVS_ROOT]`` runs the list against the bwrap runtime and prints one
 JSON line (the tests run it as a non-root user that way).
 """
 
@@ -938,7 +938,7 @@ async def run_escapes(runtime: Runtime, work: Path) -> list[Outcome]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m arborl.envs.escapes WORK_DIR [ENVS_ROOT]``: the list against bwrap, one JSON line."""
+    """``python -m arborl_bench.escapes WORK_DIR [ENVS_ROOT]``: the list against bwrap, one JSON line."""
     import json
     import sys
 

@@ -43,8 +43,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from arborl.bench.scheduling_bench import SEER_WORKLOAD
-from arborl.bench.specdec_ceiling import RULES, free_rows, position_table, replay
+from arborl_bench.scheduling_bench import SEER_WORKLOAD
+from arborl_bench.specdec_ceiling import RULES, free_rows, position_table, replay
 from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.engine.model_runner import ModelRunner
