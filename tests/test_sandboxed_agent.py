@@ -58,3 +58,17 @@ def test_a_cli_agent_in_the_sandbox_is_recorded_through_the_gateway_socket(tmp_p
     assert 1 <= len(call.completion_token_ids) <= 6 and len(call.logprobs) == len(call.completion_token_ids)
     text = built.loaded.tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
     assert written == text.strip() or written == text  # what the agent got is what was recorded
+
+
+def test_relative_program_and_script_paths_are_taken_from_the_working_directory(tmp_path, monkeypatch):
+    """`rollout.agent_command=[.venv/bin/python, examples/agent.py]` as the docs write it: inside the sandbox
+    the working directory is the workspace, so both are made absolute here; the venv's link is not resolved
+    (its python finds the venv's packages through that path) and a bare program name stays for PATH."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "py").symlink_to(sys.executable)
+    (tmp_path / "agent.py").write_text("print('hi')\n")
+    (tmp_path / "python").write_text("")
+    monkeypatch.chdir(tmp_path)
+    cmd = SandboxedCommand(["bin/py", "agent.py", "--flag", "missing.py"], runtime=None, workspace=None).command
+    assert cmd == [str(tmp_path / "bin" / "py"), str(tmp_path / "agent.py"), "--flag", "missing.py"]
+    assert SandboxedCommand(["python", "agent.py"], runtime=None, workspace=None).command[0] == "python"

@@ -27,13 +27,21 @@ from arborl.types import EpisodeStatus, Task
 _TAIL = 2000
 
 
+def _from_here(arg: str, *, program: bool) -> str:
+    """A relative path to a file here (``.venv/bin/python``, ``examples/agent.py``) as an absolute one: the
+    sandbox's working directory is the workspace, so it would not be found there; its directory must be bound
+    in (rollout.envs.ro_binds; the running interpreter's is). A bare program name is left to PATH, and links
+    are kept, not resolved: a venv's python finds its packages through the path it was started by."""
+    path = Path(arg)
+    if path.is_absolute() or not path.is_file() or (program and "/" not in arg):
+        return arg
+    return str(path.absolute())
+
+
 class SandboxedCommand:
     def __init__(self, command: Sequence[str], *, runtime: Runtime, workspace: Workspace,
                  sampling: dict[str, Any] | None = None, timeout_s: float = 600.0, python: str | None = None) -> None:
-        # a script named by a relative path is the working directory's (the sandbox's cwd is the workspace);
-        # its directory must be bound in (rollout.envs.ro_binds)
-        self.command = [str(Path(c).resolve()) if i and not Path(c).is_absolute() and Path(c).is_file() else c
-                        for i, c in enumerate(command)]
+        self.command = [_from_here(c, program=i == 0) for i, c in enumerate(command)]
         self.runtime = runtime
         self.workspace = workspace
         self.sampling = dict(sampling or {})
