@@ -64,6 +64,18 @@ def test_one_train_runs_evals_sft_evals_rl_evals_and_keeps_them_in_the_summary(t
     step = next(r for r in rows if r["kind"] == "step")
     assert step["episodes"] == 2 and step["policy_version"] == 2  # SFT published version 1, RL version 2
 
+    # the policy after SFT, before RL, is kept as an HF directory that transformers loads: the fine-tuned
+    # weights, not the start's
+    from transformers import AutoModelForCausalLM
+
+    from arborl.models import load_model
+
+    sft_dir = cfg.run_dir / "checkpoint-sft"
+    assert summary["sft_checkpoint"] == str(sft_dir)
+    tuned = AutoModelForCausalLM.from_pretrained(sft_dir).state_dict()
+    start = load_model(cfg.model).model.state_dict()
+    assert tuned.keys() == start.keys() and any(not tuned[k].equal(start[k]) for k in tuned)
+
     # `arborl bench envs --quick` reads these figures from a recorded run of the job
     from rich.console import Console
 

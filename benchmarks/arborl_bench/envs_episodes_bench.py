@@ -23,7 +23,7 @@ from arborl.config import Config, load_config
 from arborl.run.controller import Controller
 from arborl.tasks import make_suite
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]  # benchmarks/arborl_bench/ -> the checkout
 
 
 def _cfg(tmp: Path, *extra: str) -> Config:

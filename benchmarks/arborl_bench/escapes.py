@@ -457,9 +457,9 @@ async def outlive_timeout(ctx: EscapeContext) -> Outcome:
 
 
 def _checkout() -> Path:
-    """The directory holding this checkout of arborl (its ``src/``), or the installed package's parent."""
-    pkg = Path(__file__).resolve().parents[1]
-    return pkg.parent.parent if pkg.parent.name == "src" else pkg.parent
+    """The directory holding this checkout of arborl (its ``benchmarks/``), or the installed package's parent."""
+    here = Path(__file__).resolve().parents[1]
+    return here.parent if here.name == "benchmarks" else here
 
 
 def _host_secret_paths(ctx: EscapeContext) -> list[str]:

@@ -48,7 +48,8 @@ from arborl.run_config import CHANGES_FILE, CONFIG_FILE, record_changes, resume_
 from arborl.run.rundir import RunDir, resume_command
 from arborl.run.stopping import RunStopped, StopRequest
 from arborl.tasks import ConfiguredSuite, make_suite
-from arborl.train.checkpoint import existing_checkpoint, load_model_weights
+from arborl.models.hf_dir import save_hf_dir
+from arborl.train.checkpoint import existing_checkpoint, load_model_weights, plain_state
 from arborl.train.mtp import resumed_config
 from arborl.train.ranks import close_trainer, load_trainer, make_trainer, save_trainer
 from arborl.train.trainer import Trainer
@@ -164,6 +165,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                 from arborl.run.sft import warm_start
 
                 await warm_start(cfg, ctl, trainer, loaded.tokenizer, metrics.write, console, summary)
+                # the fine-tuned policy before RL, to evaluate, serve or start another RL run from
+                await asyncio.to_thread(save_hf_dir, run.sft_checkpoint, plain_state(trainer), trainer.policy,
+                                        loaded.tokenizer)
+                summary["sft_checkpoint"] = str(run.sft_checkpoint)
 
             warm = sft_warm_start if not resume and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
             try:

@@ -19,9 +19,10 @@ from arborl.train.checkpoint import has_checkpoint
 from arborl.types import ArborlError, EpisodeStatus
 
 METRICS_FILE = "metrics.jsonl"
+SFT_CHECKPOINT = "checkpoint-sft"  # the policy after train.sft's warm start, before RL (an HF directory)
 # what a run writes; --overwrite deletes these and nothing else
 OUTPUTS = (CONFIG_FILE, CHANGES_FILE, "serve.config.yaml", METRICS_FILE, "summary.json", "curves.png", "checkpoint",
-           "timeline", "eval", "tensorboard", "wandb", "mlruns")  # the last three: report.loggers
+           SFT_CHECKPOINT, "timeline", "eval", "tensorboard", "wandb", "mlruns")  # the last three: report.loggers
 
 
 class RunExistsError(ArborlError):
@@ -44,6 +45,10 @@ class RunDir:
     @property
     def checkpoint(self) -> Path:
         return self.path / "checkpoint"
+
+    @property
+    def sft_checkpoint(self) -> Path:
+        return self.path / SFT_CHECKPOINT
 
     @property
     def datapool_file(self) -> Path:
