@@ -64,6 +64,8 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("sandbox_start_p99_ms", "sandbox start p99", "ms", "sandboxed environments"),
         _f("sandbox_episodes_per_s", "episodes/s", "eps/s", "sandboxed environments"),
         _f("escapes", "escapes", "count", "sandboxed environments"),
+        _f("code_repair_success_after_sft", "code repair held-out after SFT", "frac", "sandboxed environments"),
+        _f("code_repair_success_after", "code repair held-out after RL", "frac", "sandboxed environments"),
     ],
     "backends": [
         _f("vllm_vs_builtin_tokens_per_s", "vLLM vs built-in tokens/s", "x", "vLLM vs the built-in engine"),
@@ -75,6 +77,7 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("tail_decode_speedup_by_batch/4", "tail batch 4", "x", "speculative decoding"),
         _f("tau_group_gain", "group tau gain", "tokens", "speculative decoding"),
         _f("batch32_ratio", "batch 32", "x", "speculative decoding"),
+        _f("draft_checkpoint_speedup", "separate draft checkpoint", "x", "speculative decoding"),
     ],
     "credit": [
         _f("ppo_epochs_2_vs_1_sample_efficiency", "2 PPO epochs vs 1", "x", "credit assignment"),

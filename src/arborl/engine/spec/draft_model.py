@@ -85,7 +85,9 @@ class DraftModelDrafter:
         self.shared = path is None  # the policy's own layers: a weight update changes the drafter too
         self.model = (TruncatedLM(engine.model, cfg.spec.draft_layers) if self.shared
                       else load_draft_model(path, engine.model, getattr(engine, "tokenizer", None))).eval()
-        self.runner = ModelRunner(self.model, slots=cfg.max_batch_size, max_len=cfg.max_seq_len, attention=cfg.attention)
+        # the engine's own fast CPU path (prepacked weights, the row kernel): drafting runs k forwards per step
+        self.runner = ModelRunner(self.model, slots=cfg.max_batch_size, max_len=cfg.max_seq_len, attention=cfg.attention,
+                                  packed=cfg.cpu_packed_weights, row_kernel_max_rows=cfg.cpu_row_kernel_max_rows)
         self._free = list(range(cfg.max_batch_size - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._valid: dict[str, int] = {}  # tokens of the sequence whose draft KV is valid
@@ -137,7 +139,9 @@ class DraftModelDrafter:
     def weights_updated(self) -> None:
         if not self.shared:  # a separate checkpoint: its weights and KV stay as they are
             return
-        for rid in self._valid:  # the layers are the policy's own: their new weights are already in
+        if self.runner.linear is not None:  # the policy's own layers, updated in place: pack them again
+            self.runner.linear.refresh()
+        for rid in self._valid:  # their KV was computed under the old weights
             self._valid[rid] = 0
         self._proposed.clear()
 
