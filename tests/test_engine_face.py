@@ -20,7 +20,7 @@ from arborl.types import FinishReason, GenerateRequest, InvalidRequestError, Sam
 SRC = Path(__file__).resolve().parents[1] / "src" / "arborl"
 CONCRETE = {"AsyncEngine", "LLMEngine", "ServerEngine", "ServedEngine", "VLLMEngine", "SGLangEngine", "ActorEngine",
             "PDEngine"}
-CONSUMERS = ["engine/pool.py", "engine/dispatcher.py", "engine/affinity.py", "cluster/pd.py", "gateway", "rollout",
+CONSUMERS = ["engine/pool.py", "engine/dispatcher.py", "engine/affinity.py", "cluster/pd.py", "gateway", "scheduling",
              "run/controller.py"]
 
 
