@@ -160,3 +160,35 @@ def test_with_the_kernel_a_sequences_log_probs_do_not_depend_on_its_batch():
     for p, r in zip(prompts, batched):
         alone = LLMEngine(model, cfg, eos_token_ids=[511]).generate([GenerateRequest(p, params)])[0]
         assert alone.token_ids == r.token_ids and alone.logprobs == r.logprobs  # bitwise
+
+
+def _thp_flag(ptr: int) -> str | None:
+    """The ``THPeligible`` line of this process's mapping that holds ``ptr`` (None: no such field)."""
+    start = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            start = lo if lo <= ptr < hi else None
+        elif start is not None and head == "THPeligible:":
+            return line.split()[1]
+    return None
+
+
+def test_streamed_tensors_are_asked_for_in_huge_pages():
+    """Panels and the KV cache (what a decode step streams) are 2 MB-aligned allocations advised as
+    huge pages; a small tensor is an ordinary one; either holds what is written to it."""
+    big = cpu_kernels.huge_empty((3, 1 << 20), torch.float32)
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.float32 and big.data_ptr() % (2 << 20) == 0
+    big.fill_(2.5)
+    assert float(big.sum()) == 2.5 * 3 * (1 << 20)
+    small = cpu_kernels.huge_empty((4, 4), torch.bfloat16)
+    assert small.shape == (4, 4) and small.dtype == torch.bfloat16
+    panels = to_panels(torch.randn(2048, 576))
+    assert panels.data_ptr() % (2 << 20) == 0
+    kv = LLMEngine(tiny_llama(), EngineConfig(max_seq_len=4096, max_batch_size=64), eos_token_ids=[0]).runner.kv.data
+    assert kv.data_ptr() % (2 << 20) == 0 and not kv.any()
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" not in mode and _thp_flag(big.data_ptr()) is not None:
+        assert _thp_flag(big.data_ptr()) == "1" and _thp_flag(panels.data_ptr()) == "1"

@@ -1,7 +1,8 @@
 """arborl's C++ CPU kernels (``engine/csrc``), compiled together into one library on first use.
 
 ``tree_attention.cpp``: decode / draft-verify attention (``engine.tree_attention``);
-``row_linear.cpp``: projections at decode row counts (``engine.row_linear``). Built with the system
+``row_linear.cpp``: projections at decode row counts (``engine.row_linear``); ``huge_pages.cpp``:
+memory in 2 MB pages for what a decode step streams (``huge_empty``). Built with the system
 C++ compiler through torch's extension loader, cached on disk per CPU feature set (``-march=native``);
 where it cannot be built, ``available()`` is False with the reason in ``build_error()`` and the engine
 runs torch's own kernels.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp", "huge_pages.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "isa.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -107,3 +108,14 @@ def forced_isa(name: str) -> Iterator[None]:
         yield
     finally:
         torch.ops.arborl.kernel_isa(before)
+
+
+def huge_empty(shape: tuple[int, ...] | list[int], dtype) -> "torch.Tensor":  # noqa: F821 - torch is imported lazily
+    """An uninitialised CPU tensor in 2 MB pages where it is >= 2 MB and the kernels built (else
+    ``torch.empty``): the weights and KV cache a decode step streams, with fewer TLB misses and the
+    hardware prefetchers running across what were 4 KB page ends."""
+    import torch
+
+    if not available():
+        return torch.empty(shape, dtype=dtype)
+    return torch.ops.arborl.huge_empty(list(shape), dtype)

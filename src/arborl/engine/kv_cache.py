@@ -12,6 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from arborl.engine.cpu_kernels import huge_empty
+
+
+def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in 2 MB pages (every decode step streams the cache)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return huge_empty(shape, dtype).zero_()
+
 
 class SlotKVCache:
     def __init__(
@@ -27,7 +36,7 @@ class SlotKVCache:
     ) -> None:
         self.max_len = max_len
         self.slots = slots
-        self.data = torch.zeros(layers, 2, slots, kv_heads, min(256, max_len), head_dim, dtype=dtype, device=device)
+        self.data = _zeros([layers, 2, slots, kv_heads, min(256, max_len), head_dim], dtype, torch.device(device))
 
     @property
     def capacity(self) -> int:
@@ -41,7 +50,7 @@ class SlotKVCache:
             raise ValueError(f"KV length {length} exceeds max_len {self.max_len}")
         shape = list(self.data.shape)
         shape[4] = min(self.max_len, max(length, 2 * self.capacity))
-        grown = torch.zeros(shape, dtype=self.data.dtype, device=self.data.device)
+        grown = _zeros(shape, self.data.dtype, self.data.device)
         grown[:, :, :, :, : self.capacity] = self.data
         self.data = grown
 

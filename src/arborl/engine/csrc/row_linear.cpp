@@ -32,22 +32,23 @@ namespace {
 using arborl::isa;
 
 constexpr int64_t kPanel = 16;
-constexpr int64_t kChunk = 256;     // k (or k pairs) per pass when rows take several blocks: 16 KB of panel, in L1
+constexpr int64_t kChunk = 64;      // k (or k pairs) per pass when rows take several blocks: 4 KB of panel and of each block's x, in L1
 constexpr int64_t kPrefetch = 128;  // panel rows (64 B each) fetched ahead of the multiply-adds
 
-// One register block of MB rows over one chunk of k: acc[r][0:16] += x[r, 0:kc] @ panel[0:kc] (acc
+// One register block of MB rows over one chunk of k: acc[r][0:16] += x[0:kc, r] @ panel[0:kc] (acc
 // zeroed first when ``first``). A chunk resumes exactly where the last stopped: one chain per output.
-// float32 panels: x float [rows, ldx]; bf16 panels: x = bf16 pairs as uint32 [rows, ldx], kc pairs.
-using BlockFn = void (*)(const void* x, int64_t ldx, const void* panel, int64_t kc, float* acc, bool first);
+// x is the block's rows packed k-major, [kc, MB], so a k's MB values are one cache line (at 16 rows)
+// rather than MB lines: float32 panels: x float; bf16 panels: x = bf16 pairs as uint32, kc pairs.
+using BlockFn = void (*)(const void* x, const void* panel, int64_t kc, float* acc, bool first);
 
 template <int MB>
-void block_scalar(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+void block_scalar(const void* xv, const void* pv, int64_t kc, float* acc, bool first) {
   const float* x = static_cast<const float*>(xv);
   const float* panel = static_cast<const float*>(pv);
   if (first) std::fill(acc, acc + MB * kPanel, 0.0f);
   for (int64_t k = 0; k < kc; ++k)
     for (int r = 0; r < MB; ++r) {
-      const float xk = x[r * ldx + k];
+      const float xk = x[k * MB + r];
       for (int j = 0; j < kPanel; ++j) acc[r * kPanel + j] = std::fma(xk, panel[k * kPanel + j], acc[r * kPanel + j]);
     }
 }
@@ -74,13 +75,13 @@ inline uint16_t float_to_bf16(float f) {
 inline float ftz(float a) { return std::fabs(a) < 1.17549435e-38f ? 0.0f * a : a; }
 
 template <int MB>
-void block_bf16_scalar(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+void block_bf16_scalar(const void* xv, const void* pv, int64_t kc, float* acc, bool first) {
   const uint32_t* x = static_cast<const uint32_t*>(xv);
   const uint16_t* panel = static_cast<const uint16_t*>(pv);
   if (first) std::fill(acc, acc + MB * kPanel, 0.0f);
   for (int64_t k = 0; k < kc; ++k)
     for (int r = 0; r < MB; ++r) {
-      const uint32_t pair = x[r * ldx + k];
+      const uint32_t pair = x[k * MB + r];
       const float x0 = bf16_to_float(pair & 0xffff), x1 = bf16_to_float(pair >> 16);
       for (int j = 0; j < kPanel; ++j) {
         float a = acc[r * kPanel + j];
@@ -94,7 +95,7 @@ void block_bf16_scalar(const void* xv, int64_t ldx, const void* pv, int64_t kc, 
 #ifdef ARBORL_X86
 // named accumulators, not an array: GCC kept an array's registers in memory, storing each on every k
 template <int MB>
-ARBORL_TARGET_AVX2 void block_avx2(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+ARBORL_TARGET_AVX2 void block_avx2(const void* xv, const void* pv, int64_t kc, float* acc, bool first) {
   const float* x = static_cast<const float*>(xv);
   const float* panel = static_cast<const float*>(pv);
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -106,7 +107,7 @@ ARBORL_TARGET_AVX2 void block_avx2(const void* xv, int64_t ldx, const void* pv, 
   }
 #define ARBORL_ROW_FMA(r)                                         \
   if constexpr (MB > r) {                                         \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);       \
+    const __m256 xb = _mm256_broadcast_ss(x + k * MB + r);       \
     c##r##0 = _mm256_fmadd_ps(xb, w0, c##r##0);                   \
     c##r##1 = _mm256_fmadd_ps(xb, w1, c##r##1);                   \
   }
@@ -139,7 +140,7 @@ ARBORL_TARGET_AVX2 void block_avx2(const void* xv, int64_t ldx, const void* pv, 
   if constexpr (MB > r) _mm512_storeu_ps(acc + r * kPanel, c##r);
 
 template <int MB>
-ARBORL_TARGET_AVX512 void block_avx512(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc, bool first) {
+ARBORL_TARGET_AVX512 void block_avx512(const void* xv, const void* pv, int64_t kc, float* acc, bool first) {
   const float* x = static_cast<const float*>(xv);
   const float* panel = static_cast<const float*>(pv);
   ARBORL_ROWS16(ARBORL_ZDECL)
@@ -147,7 +148,7 @@ ARBORL_TARGET_AVX512 void block_avx512(const void* xv, int64_t ldx, const void* 
     ARBORL_ROWS16(ARBORL_ZLOAD)
   }
 #define ARBORL_ZFMA(r) \
-  if constexpr (MB > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, c##r);
+  if constexpr (MB > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[k * MB + r]), w, c##r);
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
     const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
@@ -158,7 +159,7 @@ ARBORL_TARGET_AVX512 void block_avx512(const void* xv, int64_t ldx, const void* 
 }
 
 template <int MB>
-ARBORL_TARGET_AVX512BF16 void block_bf16_avx512(const void* xv, int64_t ldx, const void* pv, int64_t kc, float* acc,
+ARBORL_TARGET_AVX512BF16 void block_bf16_avx512(const void* xv, const void* pv, int64_t kc, float* acc,
                                                 bool first) {
   const int32_t* x = static_cast<const int32_t*>(xv);
   const uint16_t* panel = static_cast<const uint16_t*>(pv);
@@ -167,7 +168,7 @@ ARBORL_TARGET_AVX512BF16 void block_bf16_avx512(const void* xv, int64_t ldx, con
     ARBORL_ROWS16(ARBORL_ZLOAD)
   }
 #define ARBORL_ZDOT(r) \
-  if constexpr (MB > r) c##r = _mm512_dpbf16_ps(c##r, (__m512bh)_mm512_set1_epi32(x[r * ldx + k]), w);
+  if constexpr (MB > r) c##r = _mm512_dpbf16_ps(c##r, (__m512bh)_mm512_set1_epi32(x[k * MB + r]), w);
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * 2 * kPanel), _MM_HINT_T0);
     const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kPanel);
@@ -234,37 +235,43 @@ at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t 
   if (M == 0) return y;
   const float* bd = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const float* rd = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  // bf16 panels: x rounded to bf16 once, as pairs of k (an odd K padded with a zero)
-  std::vector<uint32_t> pairs;
-  if (bf16) {
-    pairs.assign(M * Kp, 0u);
-    const float* xf = x.data_ptr<float>();
-    uint16_t* pb = reinterpret_cast<uint16_t*>(pairs.data());
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t k = 0; k < K; ++k) pb[r * 2 * Kp + k] = float_to_bf16(xf[r * K + k]);
-  }
-  const char* xd = bf16 ? reinterpret_cast<const char*>(pairs.data()) : reinterpret_cast<const char*>(x.data_ptr<float>());
-  const int64_t xstride = 4 * Kp;  // bytes per row of x: floats or pairs, 4 bytes each
-  const char* wd = static_cast<const char*>(panels.data_ptr());
-  const int64_t wstride = 64;  // bytes per panel row: 16 floats or 16 pairs of bf16
-  float* yd = y.data_ptr<float>();
   const auto [fns, max_rows] = path(bf16);
   // rows split into ceil(M / max_rows) blocks of near-equal size (8 rows at 6: 4 + 4, not 6 + 2); with
   // several blocks, k runs in L1-sized chunks so every block reuses the chunk just fetched. Neither
   // split changes a result: each output is one chain over k in order.
   const int64_t blocks = (M + max_rows - 1) / max_rows;
   const int64_t chunk = blocks == 1 ? Kp : kChunk;
+  std::vector<int64_t> block_row(blocks + 1, 0);
+  for (int64_t b = 0; b < blocks; ++b) block_row[b + 1] = block_row[b] + (M - block_row[b]) / (blocks - b);
+  // x packed once, block by block, k-major ([Kp, rows of the block]); bf16 panels: x rounded to
+  // bf16 (nearest even), as pairs of k (an odd K padded with a zero). 4 bytes per value either way.
+  std::vector<uint32_t> xpack(M * Kp, 0u);
+  const float* xf = x.data_ptr<float>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r0 = block_row[b], rows = block_row[b + 1] - r0;
+    uint32_t* dst = xpack.data() + r0 * Kp;
+    if (bf16) {
+      uint16_t* half = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) half[2 * ((k / 2) * rows + r) + (k % 2)] = float_to_bf16(xf[(r0 + r) * K + k]);
+    } else {
+      float* out = reinterpret_cast<float*>(dst);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) out[k * rows + r] = xf[(r0 + r) * K + k];
+    }
+  }
+  const char* wd = static_cast<const char*>(panels.data_ptr());
+  const int64_t wstride = 64;  // bytes per panel row: 16 floats or 16 pairs of bf16
+  float* yd = y.data_ptr<float>();
   at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       const char* panel = wd + p * Kp * wstride;
       for (int64_t k0 = 0; k0 < Kp; k0 += chunk) {
         const int64_t kc = std::min(chunk, Kp - k0);
-        int64_t row = 0;
         for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t rows = (M - row) / (blocks - b);
-          fns[rows](xd + row * xstride + k0 * 4, Kp, panel + k0 * wstride, kc, acc.data() + row * kPanel, k0 == 0);
-          row += rows;
+          const int64_t r0 = block_row[b], rows = block_row[b + 1] - r0;
+          fns[rows](xpack.data() + r0 * Kp + k0 * rows, panel + k0 * wstride, kc, acc.data() + r0 * kPanel, k0 == 0);
         }
       }
       const int64_t col = p * kPanel, cols = std::min(kPanel, n_out - col);
