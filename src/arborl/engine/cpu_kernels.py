@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp", "huge_pages.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp", "huge_pages.cpp", "decode_ops.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "isa.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

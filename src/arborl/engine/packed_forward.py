@@ -3,10 +3,11 @@
 The same computation as ``models.forward.decoder_hidden`` with ``PackedLinears`` (and, measured,
 bit-for-bit the same logits), written for the serving case of a plain Llama-layout decoder: the
 weights are passed to the kernels directly instead of through module calls, rows stay flat
-``[tokens, hidden]``, q and k get their rotary embedding in one pass over the fused q|k|v output,
-the residual adds ride on the o and down projections' GEMMs (oneDNN's ``add`` post-op), and SiLU
-times up is done in place. At decode batch sizes the ops around the GEMMs are a quarter of a step
-(measured: 18% of a step at batch 4, 29% at batch 32), so fewer of them is what this buys; the
+``[tokens, hidden]``, q and k get their rotary embedding in place in the fused q|k|v output, the
+residual adds ride on the o and down projections' GEMMs, and RMSNorm, the rotary embedding and SiLU
+times up are one pass each (``csrc/decode_ops.cpp``; torch ops where arborl's kernels did not build).
+At decode batch sizes the ops around the GEMMs were a quarter of a step (measured: 18% of a step at
+batch 4, 29% at batch 32), so fewer of them is what this buys; the
 trainer keeps running ``decoder_hidden`` on the modules. Models this does not cover (Qwen3's
 per-head q/k norms, other activations, adapters, quantised projections) run ``decoder_hidden``.
 """
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arborl.engine.cpu_kernels import available
 from arborl.engine.packed import PackedLinears
 from arborl.models.forward import Attend
 
@@ -71,24 +73,58 @@ class PackedForward:
         hd, nq, nkv, width = self.head_dim, self.heads, self.kv_heads, self.hidden_size
         h = decoder.embed_tokens(input_ids)
         cos, sin = decoder.rotary_emb(h, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, hd]
         h = h.view(b * s, width)
-        half = hd // 2
+        ops = _FUSED if available() else _TORCH
+        cos, sin = cos.reshape(b * s, hd), sin.reshape(b * s, hd)
         packed = self.linears.packed_groups()
         linear = self.linears.linear
         for i, layer in enumerate(decoder.layers):
             qkv_k, o_k, gu_k, down_k = self._keys[i]
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            x = F.rms_norm(h, (width,), ln1.weight, ln1.variance_epsilon)
-            qkv = linear(packed[qkv_k], x)
-            qk = qkv[:, : (nq + nkv) * hd].view(b, s, nq + nkv, hd).transpose(1, 2)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            v = qkv[:, (nq + nkv) * hd :].view(b, s, nkv, hd).transpose(1, 2)
-            out = make_attend(i)(qk[:, :nq], qk[:, nq:], v)
+            qkv = linear(packed[qkv_k], ops.rms_norm(h, ln1.weight, ln1.variance_epsilon))
+            ops.rotary_(qkv, cos, sin, nq + nkv)
+            heads = qkv.view(b, s, nq + 2 * nkv, hd).transpose(1, 2)
+            out = make_attend(i)(heads[:, :nq], heads[:, nq : nq + nkv], heads[:, nq + nkv :])
             h = linear(packed[o_k], out.transpose(1, 2).reshape(b * s, nq * hd), h)
-            x = F.rms_norm(h, (width,), ln2.weight, ln2.variance_epsilon)
-            gate_up = linear(packed[gu_k], x)
-            inner = gate_up.shape[-1] // 2
-            h = linear(packed[down_k], F.silu(gate_up[:, :inner]).mul_(gate_up[:, inner:]), h)
+            gate_up = linear(packed[gu_k], ops.rms_norm(h, ln2.weight, ln2.variance_epsilon))
+            h = linear(packed[down_k], ops.silu_mul(gate_up), h)
         return h.view(b, s, width)
 
+
+class _TorchOps:
+    """The element-wise steps as torch ops (where arborl's kernels did not build)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        d = cos.shape[-1]
+        v = x[:, : heads * d].view(x.shape[0], heads, d)
+        half = d // 2
+        v.copy_(v * cos[:, None] + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * sin[:, None])
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        inner = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inner]).mul_(gate_up[:, inner:])
+
+
+class _FusedOps:
+    """The element-wise steps as arborl's one-pass kernels (``csrc/decode_ops.cpp``)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.arborl.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        torch.ops.arborl.rotary_(x, cos, sin, heads)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.arborl.silu_mul(gate_up)
+
+
+_TORCH, _FUSED = _TorchOps(), _FusedOps()
