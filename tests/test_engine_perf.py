@@ -85,6 +85,10 @@ def test_engine_worker_protocol_round_trips_on_a_tiny_model(tmp_path):
         assert mt["prompt_tokens"] == first + (first + 3 * 6) + (first + 3 * 6 + 3 * 5)
         with pytest.raises(WorkerError, match="unknown op"):
             worker.call({"op": "nope"})
+        state = lambda: open(f"/proc/{worker.proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        with worker.stopped():  # while arborl's engine is measured, the worker takes no CPU
+            assert state() == "T"
+        assert worker.generate(prompts, 2, True)[1] == [t[:2] for t in toks]  # and answers after
     finally:
         worker.close()
     assert worker.proc.poll() is not None

@@ -166,7 +166,8 @@ def _multiturn(loaded: LoadedModel, *, sessions: int, turns: int, new_tokens: in
 def vs_vllm(loaded: LoadedModel, prompts: list[list[int]], *, rounds: int, caps: dict[str, int],
             multiturn: dict, console: Console) -> dict:
     """arborl against vLLM's CPU build (offline API in a persistent worker of .venv-vllm): the same token
-    ids, both on the same two cores, alternating rounds, medians; a note instead when vLLM is absent."""
+    ids, both on the same two cores, alternating rounds, medians, the worker stopped while arborl runs
+    (as arborl's engine is idle while vLLM runs); a note instead when vLLM is absent."""
     try:
         worker = EngineWorker(loaded, max_num_seqs=len(prompts))
     except BackendError as e:
@@ -186,7 +187,8 @@ def vs_vllm(loaded: LoadedModel, prompts: list[list[int]], *, rounds: int, caps:
             fixed = label == "fixed"
             ours, theirs = [], []
             for r in range(rounds):  # A B A B
-                s, toks, _ = _run_engine(loaded, prompts, cap, fixed)
+                with worker.stopped():
+                    s, toks, _ = _run_engine(loaded, prompts, cap, fixed)
                 ours.append(sum(map(len, toks)) / s)
                 vs, vtoks = worker.generate(prompts, cap, fixed)
                 vtoks = vtoks if fixed else [_useful(t, eos) for t in vtoks]
@@ -199,7 +201,8 @@ def vs_vllm(loaded: LoadedModel, prompts: list[list[int]], *, rounds: int, caps:
         convo, follow = multiturn_inputs(loaded, multiturn["sessions"], multiturn["turns"])
         ours, theirs = [], []
         for r in range(rounds):
-            ours.append(_multiturn(loaded, prefix_cache=True, **multiturn)[0])
+            with worker.stopped():
+                ours.append(_multiturn(loaded, prefix_cache=True, **multiturn)[0])
             theirs.append(worker.multiturn(convo, follow, multiturn["new_tokens"])["seconds"])
             console.print(f"  vs vLLM, multi-turn, round {r}: arborl {ours[-1]:.2f}s, vLLM {theirs[-1]:.2f}s")
         out["builtin_multiturn_s"] = round(statistics.median(ours), 3)
