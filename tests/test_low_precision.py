@@ -165,7 +165,7 @@ def test_fp8_gemm_on_gpu_matches_the_reference():
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bfloat16 dot products (AVX512-BF16 / AMX-BF16)")
-def test_cpu_bf16_rollout_runs_bf16_weights_in_the_gemms_and_float32_elsewhere():
+def test_cpu_bf16_rollout_runs_bf16_weights_and_kv_and_float32_elsewhere():
     from arborl.engine import cpu_kernels
 
     m = tiny()
@@ -177,7 +177,7 @@ def test_cpu_bf16_rollout_runs_bf16_weights_in_the_gemms_and_float32_elsewhere()
     assert served.model.embed_tokens.weight.dtype == torch.float32
     eng = LLMEngine(served, EngineConfig(max_seq_len=128, max_batch_size=4), eos_token_ids=[])
     runner = eng.runner
-    assert runner.kv.layer(0)[0].dtype == torch.float32 and runner.tree_kernel  # float32 KV and attention kernel
+    assert runner.kv.layer(0)[0].dtype == torch.bfloat16 and runner.tree_kernel  # bf16 KV, read by the attention kernel
     if cpu_kernels.has_bf16():  # the GEMMs of decode rows on vdpbf16ps
         assert all(p.panels.dtype == torch.bfloat16 for p in runner.linear.packed_groups().values())
     low = rollout_logprobs(served)

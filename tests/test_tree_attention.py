@@ -115,6 +115,30 @@ def test_every_isa_path_matches_the_scalar_path_and_keeps_rows_batch_invariant(d
                 assert torch.equal(alone, out[i : i + 1]), name
 
 
+@pytest.mark.parametrize("d", [64, 40])
+def test_a_bf16_cache_is_the_float32_kernel_on_its_rounded_values_on_every_path(d):
+    """The CPU bf16 rollout's cache: each key and value widened exactly, so on every path the result is
+    bitwise the float32 kernel's over the bf16-rounded cache; a row's own K/V written rounded (nearest
+    even); a bf16 k_cache with a float32 v_cache refused."""
+    from arborl.engine import cpu_kernels
+
+    kc, vc = _cache(slots=3, cap=64, d=d)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    g = torch.Generator().manual_seed(d)
+    q, k_new, v_new = torch.randn(3, HQ, d, generator=g), torch.randn(3, HKV, d, generator=g), torch.randn(3, HKV, d, generator=g)
+    slots, prefix, pos = torch.arange(3), torch.tensor([40, 9, 60]), torch.tensor([[40], [9], [60]])
+    for name in cpu_kernels.isas():
+        with cpu_kernels.forced_isa(name):
+            k32, v32 = kb.float(), vb.float()
+            want = tk.tree_attention(q, k32, v32, slots, prefix, pos, 0.125, (k_new.bfloat16().float(), v_new.bfloat16().float(), prefix))
+            k16, v16 = kb.clone(), vb.clone()
+            got = tk.tree_attention(q, k16, v16, slots, prefix, pos, 0.125, (k_new, v_new, prefix))
+            assert torch.equal(got, want), name
+            assert torch.equal(k16.float(), k32) and torch.equal(v16.float(), v32), name
+    with pytest.raises(RuntimeError, match="v_cache has dtype"):
+        tk.tree_attention(q, kb, vc, slots, prefix, pos, 0.125)
+
+
 def test_bad_inputs_are_clear_errors():
     kc, vc = _cache()
     q = torch.randn(2, HQ, 64)

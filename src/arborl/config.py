@@ -204,8 +204,9 @@ class EngineConfig(Section):
         "(engine/csrc/row_linear.cpp) instead of oneDNN: it reads each weight once for all rows where oneDNN re-reads it "
         "per 3-4 rows (a verify step of 2-6 rows then costs what a decode step of one does), and a row's result does "
         "not depend on the other rows, so decode, draft-verify and prefill chunks agree bitwise where they meet. The "
-        "default covers every decode and verify step at max_batch_size 32; longer prefills run oneDNN, faster there. "
-        "0 = oneDNN only. Costs one more copy of the Linear weights",
+        "default covers every decode and verify step at max_batch_size 32; longer prefills run oneDNN, faster there in "
+        "float32. bf16 weights (weights_dtype=bfloat16 on CPU) run the row kernel at every row count unless this is 0 "
+        "(0 = oneDNN only). Costs one more copy of the Linear weights",
     )
     attention: Literal["auto", "kernel", "sdpa"] = Field(
         "auto",

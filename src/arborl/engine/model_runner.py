@@ -13,7 +13,7 @@ from arborl.engine.packed import PackedLinears, packing_available
 from arborl.engine.packed_forward import PackedForward
 from arborl.engine import tree_attention as tree_kernel
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
-from arborl.models.quantize import is_low_precision, load_serving_weights
+from arborl.models.quantize import has_bf16_linears, is_low_precision, load_serving_weights
 from arborl.types import ArborlError
 
 
@@ -30,13 +30,16 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
+        # decode and verify attention: our batch-invariant kernel, or SDPA (engine.attention)
+        self.tree_kernel = self._tree_kernel_wanted(attention)
         self.kv = SlotKVCache(
             layers=shape.layers,
             kv_heads=shape.kv_heads,
             head_dim=shape.head_dim,
             slots=slots,
             max_len=max_len,
-            dtype=self.dtype,
+            # the CPU bf16 rollout keeps its KV in bf16 where the kernel reads it: half the bytes per step
+            dtype=torch.bfloat16 if self.tree_kernel and has_bf16_linears(model) else self.dtype,
             device=self.device,
         )
         self.last_hidden: torch.Tensor | None = None  # hidden states (before the final norm) of the last forward
@@ -45,8 +48,6 @@ class ModelRunner:
         # the lean forward over those packed weights where the model is a plain Llama-layout decoder
         self.packed_forward = (PackedForward(model, self.linear)
                                if self.linear is not None and PackedForward.supports(model, self.linear) else None)
-        # decode and verify attention: our batch-invariant kernel, or SDPA (engine.attention)
-        self.tree_kernel = self._tree_kernel_wanted(attention)
 
     def _tree_kernel_wanted(self, attention: str) -> bool:
         if attention == "sdpa":

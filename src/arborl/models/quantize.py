@@ -211,6 +211,11 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
     return model
 
 
+def has_bf16_linears(model: nn.Module) -> bool:
+    """Whether the model is a CPU bf16 serving copy (holds ``Bf16Linear`` modules)."""
+    return any(isinstance(m, Bf16Linear) for m in model.modules())
+
+
 def is_low_precision(model: nn.Module) -> bool:
     """Whether the model holds converted (int8 / FP8 / CPU bf16) Linear modules."""
     return any(isinstance(m, (DynamicInt8Linear, Fp8Linear, Bf16Linear)) for m in model.modules())

@@ -7,6 +7,10 @@
 // records exactly the log-probs plain decoding does. The q heads that share a KV head are done in
 // one pass over that head's keys (GQA without repeating K/V).
 //
+// The cache is float32, or bfloat16 (the CPU bf16 rollout: half the bytes a step reads; each key and
+// value widened to float32 exactly as it is loaded, every sum float32, the row's own K/V rounded to
+// nearest even as it is written).
+//
 // Paths per instruction set (isa.h), chosen at run time: scalar, AVX2 and AVX-512F. The weighted sum
 // of V is one fused multiply-add chain per element on every path (bitwise equal); the q.k scores sum
 // 8 (AVX2) or 16 (AVX-512) lanes before a fixed reduction tree, so they agree to float rounding
@@ -19,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -27,15 +32,34 @@ namespace {
 
 constexpr int kLanes = 16;
 
-inline float dot(const float* a, const float* b, int64_t n) {
+using bf16_t = uint16_t;
+
+inline float widen(float v) { return v; }
+inline float widen(bf16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// round to nearest even, as torch's float -> bfloat16 (NaN stays NaN)
+inline bf16_t narrow_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<bf16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc[kLanes] = {0};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] = std::fma(a[d + u], b[d + u], acc[u]);
+    for (int u = 0; u < kLanes; ++u) acc[u] = std::fma(a[d + u], widen(b[d + u]), acc[u]);
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
   float s = acc[0];
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * widen(b[d]);
   return s;
 }
 
@@ -60,21 +84,33 @@ inline float exp_nonpositive(float x) {
 
 // scores[j] = scale * q . K[keys[j]] for j < L. The grouping of keys (blocks of 8, then single keys)
 // depends on j and L only, so a row's scores never depend on other rows.
-void scores_scalar(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
+template <typename T>
+void scores_scalar(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
                    float* scores) {
   for (int64_t j = 0; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
 }
 
 // acc[:D] += sum_j p[j] * V[keys[j]], j in order: one fused multiply-add chain per element, every path
-void weighted_sum_scalar(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc) {
+template <typename T>
+void weighted_sum_scalar(const float* p, const T* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc) {
   for (int64_t j = 0; j < L; ++j) {
-    const float* v = vbase + keys[j] * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], v[d], acc[d]);
+    const T* v = vbase + keys[j] * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], widen(v[d]), acc[d]);
   }
 }
 
 #ifdef ARBORL_X86
-ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D,
+ARBORL_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+ARBORL_TARGET_AVX2 inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+ARBORL_TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+ARBORL_TARGET_AVX512 inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename T>
+ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D,
                                     float scale, float* scores) {
   int64_t j = 0;
   if (D % 8 == 0) {
@@ -83,7 +119,7 @@ ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const float* kbase, const in
       for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbase + keys[j + u] * D + d), a[u]);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(kbase + keys[j + u] * D + d), a[u]);
       }
       // 8 accumulators -> one vector of 8 sums, key u in lane u
       const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
@@ -98,7 +134,8 @@ ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const float* kbase, const in
 
 // 8 keys at a time, 16 lanes of d each; the 8 x 16 partial sums fold to 8 x 8 (lane i + lane i+8),
 // then the AVX2 reduction tree
-ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D,
+template <typename T>
+ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D,
                                         float scale, float* scores) {
   int64_t j = 0;
   if (D % 16 == 0) {
@@ -107,7 +144,7 @@ ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const float* kbase, cons
       for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
         const __m512 qv = _mm512_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbase + keys[j + u] * D + d), a[u]);
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(kbase + keys[j + u] * D + d), a[u]);
       }
       __m256 f[8];
       for (int u = 0; u < 8; ++u) f[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), _mm512_extractf32x8_ps(a[u], 1));
@@ -122,33 +159,34 @@ ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const float* kbase, cons
 }
 
 // The accumulator of N*8 floats stays in registers.
-template <int N>
-ARBORL_TARGET_AVX2 void weighted_sum_avx2(const float* p, const float* vbase, const int64_t* keys, int64_t L, float* acc) {
+template <int N, typename T>
+ARBORL_TARGET_AVX2 void weighted_sum_avx2(const float* p, const T* vbase, const int64_t* keys, int64_t L, float* acc) {
   __m256 a[N];
   for (int u = 0; u < N; ++u) a[u] = _mm256_loadu_ps(acc + 8 * u);
   for (int64_t j = 0; j < L; ++j) {
     const __m256 w = _mm256_set1_ps(p[j]);
-    const float* v = vbase + keys[j] * (8 * N);
-    for (int u = 0; u < N; ++u) a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), a[u]);
+    const T* v = vbase + keys[j] * (8 * N);
+    for (int u = 0; u < N; ++u) a[u] = _mm256_fmadd_ps(w, load8(v + 8 * u), a[u]);
   }
   for (int u = 0; u < N; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
 
-template <int N>
-ARBORL_TARGET_AVX512 void weighted_sum_avx512(const float* p, const float* vbase, const int64_t* keys, int64_t L,
+template <int N, typename T>
+ARBORL_TARGET_AVX512 void weighted_sum_avx512(const float* p, const T* vbase, const int64_t* keys, int64_t L,
                                               float* acc) {
   __m512 a[N];
   for (int u = 0; u < N; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
   for (int64_t j = 0; j < L; ++j) {
     const __m512 w = _mm512_set1_ps(p[j]);
-    const float* v = vbase + keys[j] * (16 * N);
-    for (int u = 0; u < N; ++u) a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * u), a[u]);
+    const T* v = vbase + keys[j] * (16 * N);
+    for (int u = 0; u < N; ++u) a[u] = _mm512_fmadd_ps(w, load16(v + 16 * u), a[u]);
   }
   for (int u = 0; u < N; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
 }
 #endif
 
-inline void scores_row(const float* q, const float* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
+template <typename T>
+inline void scores_row(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
                        float* scores, int level) {
 #ifdef ARBORL_X86
   if (level >= arborl::kAvx512) return scores_avx512(q, kbase, keys, L, D, scale, scores);
@@ -157,21 +195,22 @@ inline void scores_row(const float* q, const float* kbase, const int64_t* keys, 
   scores_scalar(q, kbase, keys, L, D, scale, scores);
 }
 
-inline void weighted_sum(const float* p, const float* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc,
+template <typename T>
+inline void weighted_sum(const float* p, const T* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc,
                          int level) {
 #ifdef ARBORL_X86
   if (level >= arborl::kAvx512) switch (D) {
-      case 64: return weighted_sum_avx512<4>(p, vbase, keys, L, acc);
-      case 128: return weighted_sum_avx512<8>(p, vbase, keys, L, acc);
-      case 32: return weighted_sum_avx512<2>(p, vbase, keys, L, acc);
-      case 96: return weighted_sum_avx512<6>(p, vbase, keys, L, acc);
+      case 64: return weighted_sum_avx512<4, T>(p, vbase, keys, L, acc);
+      case 128: return weighted_sum_avx512<8, T>(p, vbase, keys, L, acc);
+      case 32: return weighted_sum_avx512<2, T>(p, vbase, keys, L, acc);
+      case 96: return weighted_sum_avx512<6, T>(p, vbase, keys, L, acc);
       default: break;
     }
   if (level >= arborl::kAvx2) switch (D) {
-      case 64: return weighted_sum_avx2<8>(p, vbase, keys, L, acc);
-      case 128: return weighted_sum_avx2<16>(p, vbase, keys, L, acc);
-      case 32: return weighted_sum_avx2<4>(p, vbase, keys, L, acc);
-      case 96: return weighted_sum_avx2<12>(p, vbase, keys, L, acc);
+      case 64: return weighted_sum_avx2<8, T>(p, vbase, keys, L, acc);
+      case 128: return weighted_sum_avx2<16, T>(p, vbase, keys, L, acc);
+      case 32: return weighted_sum_avx2<4, T>(p, vbase, keys, L, acc);
+      case 96: return weighted_sum_avx2<12, T>(p, vbase, keys, L, acc);
       default: break;
     }
 #endif
@@ -193,8 +232,9 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
                           double scale, const c10::optional<at::Tensor>& k_new_in,
                           const c10::optional<at::Tensor>& v_new_in, const c10::optional<at::Tensor>& write_pos_in) {
   check(q_in, "q", 3, at::kFloat);
-  check(k_cache, "k_cache", 4, at::kFloat);
-  check(v_cache, "v_cache", 4, at::kFloat);
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  check(k_cache, "k_cache", 4, bf16 ? at::kBFloat16 : at::kFloat);
+  check(v_cache, "v_cache", 4, k_cache.scalar_type());
   const at::Tensor q = q_in.contiguous();
   const at::Tensor row_slot = row_slot_in.to(at::kLong).contiguous();
   const at::Tensor prefix = prefix_in.to(at::kLong).contiguous();
@@ -239,66 +279,77 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
       TORCH_CHECK(wp[r] >= 0 && wp[r] < C, "tree_attention: row ", r, " writes position ", wp[r], " outside capacity ", C);
     const float* kn = k_new.data_ptr<float>();
     const float* vn = v_new.data_ptr<float>();
-    float* kw = k_cache.data_ptr<float>();
-    float* vw = v_cache.data_ptr<float>();
     const int64_t ss = k_cache.stride(0), sh = k_cache.stride(1);
-    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
+    auto write = [&](auto* kw, auto* vw) {
+      for (int64_t r = 0; r < R; ++r)
         for (int64_t g = 0; g < Hkv; ++g) {
           const int64_t dst = slot_p[r] * ss + g * sh + wp[r] * D, src = (r * Hkv + g) * D;
-          std::memcpy(kw + dst, kn + src, D * sizeof(float));
-          std::memcpy(vw + dst, vn + src, D * sizeof(float));
+          if constexpr (std::is_same_v<std::remove_pointer_t<decltype(kw)>, float>) {
+            std::memcpy(kw + dst, kn + src, D * sizeof(float));
+            std::memcpy(vw + dst, vn + src, D * sizeof(float));
+          } else {
+            for (int64_t d = 0; d < D; ++d) kw[dst + d] = narrow_bf16(kn[src + d]);
+            for (int64_t d = 0; d < D; ++d) vw[dst + d] = narrow_bf16(vn[src + d]);
+          }
         }
-    });
+    };
+    if (bf16)
+      write(static_cast<bf16_t*>(k_cache.data_ptr()), static_cast<bf16_t*>(v_cache.data_ptr()));
+    else
+      write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   }
   at::Tensor out = at::empty({R, Hq, D}, q.options());
   const float* qd = q.data_ptr<float>();
-  const float* kd = k_cache.data_ptr<float>();
-  const float* vd = v_cache.data_ptr<float>();
   float* od = out.data_ptr<float>();
   const int64_t s_slot = k_cache.stride(0), s_head = k_cache.stride(1);
   const float fscale = static_cast<float>(scale);
   const int level = arborl::isa();
 
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<int64_t> keys;
-    std::vector<float> acc(G * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, g = task % Hkv;
-      keys.clear();
-      for (int64_t j = 0; j < prefix_p[r]; ++j) keys.push_back(j);
-      for (int64_t e = 0; e < E; ++e)
-        if (extra_p[r * E + e] >= 0) keys.push_back(extra_p[r * E + e]);
-      const int64_t L = static_cast<int64_t>(keys.size());
-      scores.resize(G * L);
-      const float* kbase = kd + slot_p[r] * s_slot + g * s_head;
-      const float* vbase = vd + slot_p[r] * s_slot + g * s_head;
-      const float* qrow = qd + (r * Hq + g * G) * D;
-      for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L, level);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> total(G, 0.0f);
-      for (int64_t h = 0; h < G; ++h) {
-        float* s = scores.data() + h * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < L; ++j) s[j] = exp_nonpositive(s[j] - m);
-        float part[8] = {0};
-        int64_t j = 0;
-        for (; j + 8 <= L; j += 8)
-          for (int u = 0; u < 8; ++u) part[u] += s[j + u];
-        float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-        for (; j < L; ++j) sum += s[j];
-        total[h] = sum;
+  auto attend = [&](const auto* kd, const auto* vd) {
+    at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<int64_t> keys;
+      std::vector<float> acc(G * D);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / Hkv, g = task % Hkv;
+        keys.clear();
+        for (int64_t j = 0; j < prefix_p[r]; ++j) keys.push_back(j);
+        for (int64_t e = 0; e < E; ++e)
+          if (extra_p[r * E + e] >= 0) keys.push_back(extra_p[r * E + e]);
+        const int64_t L = static_cast<int64_t>(keys.size());
+        scores.resize(G * L);
+        const auto* kbase = kd + slot_p[r] * s_slot + g * s_head;
+        const auto* vbase = vd + slot_p[r] * s_slot + g * s_head;
+        const float* qrow = qd + (r * Hq + g * G) * D;
+        for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L, level);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::vector<float> total(G, 0.0f);
+        for (int64_t h = 0; h < G; ++h) {
+          float* s = scores.data() + h * L;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
+          for (int64_t j = 0; j < L; ++j) s[j] = exp_nonpositive(s[j] - m);
+          float part[8] = {0};
+          int64_t j = 0;
+          for (; j + 8 <= L; j += 8)
+            for (int u = 0; u < 8; ++u) part[u] += s[j + u];
+          float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+          for (; j < L; ++j) sum += s[j];
+          total[h] = sum;
+        }
+        for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D, level);
+        for (int64_t h = 0; h < G; ++h) {
+          float* o = od + (r * Hq + g * G + h) * D;
+          const float inv = 1.0f / total[h];
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+        }
       }
-      for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D, level);
-      for (int64_t h = 0; h < G; ++h) {
-        float* o = od + (r * Hq + g * G + h) * D;
-        const float inv = 1.0f / total[h];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
-      }
-    }
-  });
+    });
+  };
+  if (bf16)
+    attend(static_cast<const bf16_t*>(k_cache.data_ptr()), static_cast<const bf16_t*>(v_cache.data_ptr()));
+  else
+    attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 
