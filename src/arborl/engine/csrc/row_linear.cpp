@@ -62,11 +62,12 @@ inline float bf16_to_float(uint16_t b) {
 }
 
 // round to nearest even, as torch's float -> bfloat16 (NaN stays NaN)
+// (branch-free, so the loop that calls it vectorises)
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : rounded;
 }
 
 // the reference of vdpbf16ps (Intel's definition, which this AMD CPU matches bitwise): per output,
@@ -243,23 +244,30 @@ at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t 
   const int64_t chunk = blocks == 1 ? Kp : kChunk;
   std::vector<int64_t> block_row(blocks + 1, 0);
   for (int64_t b = 0; b < blocks; ++b) block_row[b + 1] = block_row[b] + (M - block_row[b]) / (blocks - b);
-  // x packed once, block by block, k-major ([Kp, rows of the block]); bf16 panels: x rounded to
-  // bf16 (nearest even), as pairs of k (an odd K padded with a zero). 4 bytes per value either way.
-  std::vector<uint32_t> xpack(M * Kp, 0u);
+  // x packed once, block by block, k-major ([Kp, rows of the block]), 4 bytes per value: floats, or
+  // for bf16 panels pairs of k rounded to bf16 (nearest even; an odd K padded with a zero), rounded
+  // row-major first (a loop that vectorises). Split over threads from 64 rows (a prefill).
   const float* xf = x.data_ptr<float>();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t r0 = block_row[b], rows = block_row[b + 1] - r0;
-    uint32_t* dst = xpack.data() + r0 * Kp;
-    if (bf16) {
-      uint16_t* half = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < K; ++k) half[2 * ((k / 2) * rows + r) + (k % 2)] = float_to_bf16(xf[(r0 + r) * K + k]);
-    } else {
-      float* out = reinterpret_cast<float*>(dst);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < K; ++k) out[k * rows + r] = xf[(r0 + r) * K + k];
-    }
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(xf);
+  std::vector<uint32_t> rounded;
+  if (bf16) {
+    rounded.assign(M * Kp, 0u);
+    uint16_t* half = reinterpret_cast<uint16_t*>(rounded.data());
+    at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t k = 0; k < K; ++k) half[r * 2 * Kp + k] = float_to_bf16(xf[r * K + k]);
+    });
+    src = rounded.data();
   }
+  std::vector<uint32_t> xpack(M * Kp);
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t r0 = block_row[b], rows = block_row[b + 1] - r0;
+      uint32_t* dst = xpack.data() + r0 * Kp;
+      for (int64_t k = 0; k < Kp; ++k)
+        for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[(r0 + r) * Kp + k];
+    }
+  });
   const char* wd = static_cast<const char*>(panels.data_ptr());
   const int64_t wstride = 64;  // bytes per panel row: 16 floats or 16 pairs of bf16
   float* yd = y.data_ptr<float>();
