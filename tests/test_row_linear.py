@@ -178,12 +178,13 @@ def _thp_flag(ptr: int) -> str | None:
 def test_streamed_tensors_are_asked_for_in_huge_pages():
     """Panels and the KV cache (what a decode step streams) are 2 MB-aligned allocations advised as
     huge pages; a small tensor is an ordinary one; either holds what is written to it."""
-    big = cpu_kernels.huge_empty((3, 1 << 20), torch.float32)
+    big = cpu_kernels.huge_zeros((3, 1 << 20), torch.float32)
     assert big.shape == (3, 1 << 20) and big.dtype == torch.float32 and big.data_ptr() % (2 << 20) == 0
+    assert not big.any()
     big.fill_(2.5)
     assert float(big.sum()) == 2.5 * 3 * (1 << 20)
-    small = cpu_kernels.huge_empty((4, 4), torch.bfloat16)
-    assert small.shape == (4, 4) and small.dtype == torch.bfloat16
+    small = cpu_kernels.huge_zeros((4, 4), torch.bfloat16)
+    assert small.shape == (4, 4) and small.dtype == torch.bfloat16 and not small.any()
     panels = to_panels(torch.randn(2048, 576))
     assert panels.data_ptr() % (2 << 20) == 0
     kv = LLMEngine(tiny_llama(), EngineConfig(max_seq_len=4096, max_batch_size=64), eos_token_ids=[0]).runner.kv.data

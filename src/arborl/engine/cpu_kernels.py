@@ -2,7 +2,7 @@
 
 ``tree_attention.cpp``: decode / draft-verify attention (``engine.tree_attention``);
 ``row_linear.cpp``: projections at decode row counts (``engine.row_linear``); ``huge_pages.cpp``:
-memory in 2 MB pages for what a decode step streams (``huge_empty``). Built with the system
+memory in 2 MB pages for what a decode step streams (``huge_zeros``). Built with the system
 C++ compiler through torch's extension loader, cached on disk per CPU feature set (``-march=native``);
 where it cannot be built, ``available()`` is False with the reason in ``build_error()`` and the engine
 runs torch's own kernels.
@@ -112,12 +112,13 @@ def forced_isa(name: str) -> Iterator[None]:
         torch.ops.arborl.kernel_isa(before)
 
 
-def huge_empty(shape: tuple[int, ...] | list[int], dtype) -> "torch.Tensor":  # noqa: F821 - torch is imported lazily
-    """An uninitialised CPU tensor in 2 MB pages where it is >= 2 MB and the kernels built (else
-    ``torch.empty``): the weights and KV cache a decode step streams, with fewer TLB misses and the
-    hardware prefetchers running across what were 4 KB page ends."""
+def huge_zeros(shape: tuple[int, ...] | list[int], dtype) -> "torch.Tensor":  # noqa: F821 - torch is imported lazily
+    """A zero-filled CPU tensor in 2 MB pages where it is >= 2 MB and the kernels built (else
+    ``torch.zeros``): the weights and KV cache a decode step streams, with fewer TLB misses and the
+    hardware prefetchers running across what were 4 KB page ends. Its memory is backed (and zeroed by
+    the OS) as it is first touched."""
     import torch
 
     if not available():
-        return torch.empty(shape, dtype=dtype)
-    return torch.ops.arborl.huge_empty(list(shape), dtype)
+        return torch.zeros(shape, dtype=dtype)
+    return torch.ops.arborl.huge_zeros(list(shape), dtype)

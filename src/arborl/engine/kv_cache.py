@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from arborl.engine.cpu_kernels import huge_empty
+from arborl.engine.cpu_kernels import huge_zeros
 
 
 def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on the CPU in 2 MB pages (every decode step streams the cache)."""
+    """Zeros; on the CPU in 2 MB pages (every decode step streams the cache), backed as it is touched."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_empty(shape, dtype).zero_()
+    return huge_zeros(shape, dtype)
 
 
 class SlotKVCache:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arborl.engine.cpu_kernels import huge_empty
+from arborl.engine.cpu_kernels import huge_zeros
 
 PANEL = 16  # output columns per panel: two AVX2 registers
 
@@ -27,7 +27,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     out, inp = weight.shape
     pad = -out % PANEL
     w = F.pad(weight.detach().float(), (0, 0, 0, pad)) if pad else weight.detach().float()
-    return huge_empty((w.shape[0] // PANEL, inp, PANEL), torch.float32).copy_(w.view(-1, PANEL, inp).transpose(1, 2))
+    return huge_zeros((w.shape[0] // PANEL, inp, PANEL), torch.float32).copy_(w.view(-1, PANEL, inp).transpose(1, 2))
 
 
 def to_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ def to_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     out, inp = weight.shape
     w = F.pad(weight.detach().float(), (0, inp % 2, 0, -out % PANEL))
     p, k2 = w.shape[0] // PANEL, w.shape[1] // 2
-    return huge_empty((p, k2, 2 * PANEL), torch.bfloat16).copy_(w.view(p, PANEL, k2, 2).permute(0, 2, 1, 3).reshape(p, k2, 2 * PANEL))
+    return huge_zeros((p, k2, 2 * PANEL), torch.bfloat16).copy_(w.view(p, PANEL, k2, 2).permute(0, 2, 1, 3).reshape(p, k2, 2 * PANEL))
 
 
 def row_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,

@@ -1,5 +1,5 @@
 // Tensors the engine streams every decode step (packed weights, the KV cache) in 2 MB pages where the
-// kernel allows transparent huge pages (arborl.engine.cpu_kernels.huge_empty).
+// kernel allows transparent huge pages (arborl.engine.cpu_kernels.huge_zeros).
 //
 // A decode step reads every weight once, 4 KB at a time in ordinary pages: a TLB miss each, and the
 // hardware prefetchers stop at each page's end. On this project's reference EPYC, a batch-1 step's
@@ -8,7 +8,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include <cstdlib>
+#include <cstdint>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -18,25 +18,30 @@ namespace {
 
 constexpr int64_t kHuge = 2 << 20;
 
-at::Tensor huge_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+// Zero-filled: fresh anonymous memory, which the kernel backs (and zeroes) page by page as it is first
+// touched, so a KV cache costs nothing until sequences fill it.
+at::Tensor huge_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t numel = 1;
   for (const int64_t s : sizes) numel *= s;
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
 #if defined(__linux__)
   if (bytes >= kHuge) {
-    const size_t rounded = static_cast<size_t>((bytes + kHuge - 1) / kHuge * kHuge);
-    void* ptr = nullptr;
-    if (posix_memalign(&ptr, kHuge, rounded) == 0) {
-      madvise(ptr, rounded, MADV_HUGEPAGE);  // a hint: where THP is off the memory is ordinary pages
-      return at::from_blob(ptr, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
+    // 2 MB more than asked, to start at a 2 MB boundary inside it
+    const size_t mapped = static_cast<size_t>(bytes + kHuge);
+    void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      const uintptr_t start = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) / kHuge * kHuge;
+      void* ptr = reinterpret_cast<void*>(start);
+      madvise(ptr, static_cast<size_t>(bytes), MADV_HUGEPAGE);  // a hint: where THP is off, ordinary pages
+      return at::from_blob(ptr, sizes, [base, mapped](void*) { munmap(base, mapped); }, at::TensorOptions().dtype(dtype));
     }
   }
 #endif
-  return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  return at::zeros(sizes, at::TensorOptions().dtype(dtype));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(arborl, m) {
-  m.def("huge_empty(int[] sizes, ScalarType dtype) -> Tensor", &huge_empty);
+  m.def("huge_zeros(int[] sizes, ScalarType dtype) -> Tensor", &huge_zeros);
 }
