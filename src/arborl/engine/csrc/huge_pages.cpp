@@ -19,7 +19,7 @@ namespace {
 constexpr int64_t kHuge = 2 << 20;
 
 // Zero-filled: fresh anonymous memory, which the kernel backs (and zeroes) page by page as it is first
-// touched, so a KV cache costs nothing until sequences fill it.
+// touched; a caller that must not pay that mid-rollout touches it at once (the KV cache).
 at::Tensor huge_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t numel = 1;
   for (const int64_t s : sizes) numel *= s;
