@@ -35,6 +35,8 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("engine_vs_hf_tokens_per_s_fixed_len", "vs transformers fixed", "x", "engine vs transformers"),
         _f("engine_vs_hf_tokens_per_s", "vs transformers natural", "x", "engine vs transformers"),
         _f("multiturn_speedup", "multi-turn reuse on / off", "x", "engine multi-turn"),
+        _f("bf16_vs_fp32_tokens_per_s", "bf16 vs fp32 rollout tokens/s", "x", "engine bf16 rollout"),
+        _f("decode_b32_fraction_of_limit", "batch-32 decode step, fraction of roofline limit", "frac", "engine roofline"),
     ],
     "gateway": [
         _f("overhead_p50_ms", "overhead p50", "ms", "gateway overhead"),
