@@ -148,6 +148,17 @@ def test_the_knob_routes_up_to_max_rows_to_the_kernel_and_larger_forwards_to_one
     a = on.decode([7, 8, 9], [6, 5, 7])
     b = off.decode([7, 8, 9], [6, 5, 7])
     assert torch.allclose(a, b, atol=1e-4)
+    if cpu_kernels.has_bf16():  # bf16 panels (the CPU bf16 rollout) take every row count unless the knob is 0
+        import copy
+
+        from arborl.models.quantize import to_serving_dtype
+
+        served = to_serving_dtype(copy.deepcopy(model), "bfloat16")
+        on = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=3)
+        off = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=0)
+        assert calls(lambda: on.decode([1, 2, 3, 4], [0, 0, 0, 0])) == per_forward
+        assert calls(lambda: on.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == per_forward
+        assert calls(lambda: off.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == 0
 
 
 def test_with_the_kernel_a_sequences_log_probs_do_not_depend_on_its_batch():
