@@ -185,9 +185,9 @@ class EngineConfig(Section):
     weights_dtype: Literal["float32", "bfloat16", "int8", "float8_e4m3"] = Field(
         "float32",
         description="precision of the built-in engines' copy of the policy (low-precision rollout, I5; the trainer keeps "
-        "model.dtype): bfloat16 = on a CPU with AVX512-BF16 / AMX-BF16 bf16 Linear weights whose decode GEMMs run on "
-        "the CPU's bf16 dot products (float32 sums, attention, KV cache and log-probs; a CPU without them keeps float32 "
-        "and logs why), on a GPU the whole model in bf16; int8 = weight-only int8 Linears (CPU); float8_e4m3 = FP8 "
+        "model.dtype): bfloat16 = on a CPU with AVX512-BF16 / AMX-BF16 bf16 Linear weights whose GEMMs run on the "
+        "CPU's bf16 dot products and a bf16 KV cache where arborl's attention kernel reads it (float32 sums, norms and "
+        "log-probs; a CPU without them keeps float32 and logs why), on a GPU the whole model in bf16; int8 = weight-only int8 Linears (CPU); float8_e4m3 = FP8 "
         "weights (CUDA, compute "
         "capability >= 8.9); weight updates are converted on arrival, mismatch/* metrics show the gap",
     )

@@ -20,7 +20,10 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp", "huge_pages.cpp", "decode_ops.cpp")]
@@ -112,7 +115,7 @@ def forced_isa(name: str) -> Iterator[None]:
         torch.ops.arborl.kernel_isa(before)
 
 
-def huge_zeros(shape: tuple[int, ...] | list[int], dtype) -> "torch.Tensor":  # noqa: F821 - torch is imported lazily
+def huge_zeros(shape: tuple[int, ...] | list[int], dtype: "torch.dtype") -> "torch.Tensor":
     """A zero-filled CPU tensor in 2 MB pages where it is >= 2 MB and the kernels built (else
     ``torch.zeros``): the weights and KV cache a decode step streams, with fewer TLB misses and the
     hardware prefetchers running across what were 4 KB page ends. Its memory is backed (and zeroed by

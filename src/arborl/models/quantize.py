@@ -7,7 +7,8 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
 * ``bfloat16``: on a CPU with bfloat16 dot products (AVX512-BF16 / AMX-BF16), every ``nn.Linear``
   becomes a :class:`Bf16Linear` (its weight rounded to bf16, kept in float32 storage) and the engine
   runs those GEMMs on the CPU's bf16 dot products (``engine.row_linear``: bf16 weights and rows,
-  float32 sums); the rest (embeddings, norms, attention, KV cache, log-probs) stays float32. On a CPU
+  float32 sums) and keeps the KV cache in bf16 where its attention kernel reads it (widened exactly,
+  float32 sums); the rest (embeddings, norms, log-probs) stays float32. On a CPU
   without them bf16 GEMMs are no faster, so the serving copy stays float32 and a warning says so. On
   a GPU the whole model (and so the KV cache) is bf16.
 * ``int8``: every ``nn.Linear`` (projections, MLPs, LM head) becomes torch's dynamic-quantised int8
