@@ -345,8 +345,9 @@ def run(quick: bool, console: Console) -> dict:
     on_s, skipped, prompt_tokens = _multiturn(loaded, prefix_cache=True, **mt)
     off_s, _, _ = _multiturn(loaded, prefix_cache=False, **mt)
     caps = {"fixed": new_tokens, "natural": 96 if quick else 128}
-    vllm = vs_vllm(loaded, prompts, rounds=2 if quick else 3, caps=caps, multiturn=mt, console=console)
-    bf16 = bf16_rollout(loaded, prompts, new_tokens, rounds=2 if quick else 3, console=console)
+    # three rounds even at --quick: the median of two is their mean, which one disturbed round moves
+    vllm = vs_vllm(loaded, prompts, rounds=3, caps=caps, multiturn=mt, console=console)
+    bf16 = bf16_rollout(loaded, prompts, new_tokens, rounds=3, console=console)
     limits = machine_limits()
     batches = (1, 8, 32)
     roof = {"fp32": decode_roofline(loaded.model, limits, batches, bf16=False)}
