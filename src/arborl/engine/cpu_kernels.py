@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention.cpp", "row_linear.cpp", "huge_pages.cpp", "decode_ops.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / "isa.h"]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("isa.h", "numerics.h")]
 # -fno-trapping-math: GCC vectorises the exp polynomials' loops only without FP traps (results unchanged)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "numerics.h"
+
 namespace {
 
 constexpr int64_t kRowsPerTask = 64;  // below this, one thread: a decode step's rows
@@ -23,24 +25,6 @@ constexpr int64_t kSiluRowsPerTask = 8;  // SiLU * up: 8 rows of an MLP's width 
 void check_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
               op, ": ", name, " must be a float32 CPU matrix with contiguous rows");
-}
-
-// exp(x), Cephes' expf polynomial, branch-free so the loops that call it vectorise; within 2 ulp
-inline float exp_poly(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight
@@ -127,7 +111,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* __restrict u = g + I;
       float* __restrict o = od + r * I;
 #pragma omp simd
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
+      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + arborl::exp_poly(-g[j])) * u[j];
     }
   });
   return out;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "numerics.h"
 
 namespace {
 
@@ -59,15 +60,6 @@ inline float bf16_to_float(uint16_t b) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
-}
-
-// round to nearest even, as torch's float -> bfloat16 (NaN stays NaN)
-// (branch-free, so the loop that calls it vectorises)
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : rounded;
 }
 
 // the reference of vdpbf16ps (Intel's definition, which this AMD CPU matches bitwise): per output,
@@ -255,7 +247,7 @@ at::Tensor row_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t 
     uint16_t* half = reinterpret_cast<uint16_t*>(rounded.data());
     at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        for (int64_t k = 0; k < K; ++k) half[r * 2 * Kp + k] = float_to_bf16(xf[r * K + k]);
+        for (int64_t k = 0; k < K; ++k) half[r * 2 * Kp + k] = arborl::bf16_round(xf[r * K + k]);
     });
     src = rounded.data();
   }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "numerics.h"
 
 namespace {
 
@@ -35,20 +36,7 @@ constexpr int kLanes = 16;
 using bf16_t = uint16_t;
 
 inline float widen(float v) { return v; }
-inline float widen(bf16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// round to nearest even, as torch's float -> bfloat16 (NaN stays NaN)
-inline bf16_t narrow_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<bf16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+inline float widen(bf16_t v) { return arborl::bf16_widen(v); }
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
@@ -61,25 +49,6 @@ inline float dot(const float* a, const T* b, int64_t n) {
   float s = acc[0];
   for (; d < n; ++d) s += a[d] * widen(b[d]);
   return s;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, branch-free so
-// the compiler vectorises the loop that calls it; within 2 ulp of std::exp.
-inline float exp_nonpositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // scores[j] = scale * q . K[keys[j]] for j < L. The grouping of keys (blocks of 8, then single keys)
@@ -288,8 +257,8 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
             std::memcpy(kw + dst, kn + src, D * sizeof(float));
             std::memcpy(vw + dst, vn + src, D * sizeof(float));
           } else {
-            for (int64_t d = 0; d < D; ++d) kw[dst + d] = narrow_bf16(kn[src + d]);
-            for (int64_t d = 0; d < D; ++d) vw[dst + d] = narrow_bf16(vn[src + d]);
+            for (int64_t d = 0; d < D; ++d) kw[dst + d] = arborl::bf16_round(kn[src + d]);
+            for (int64_t d = 0; d < D; ++d) vw[dst + d] = arborl::bf16_round(vn[src + d]);
           }
         }
     };
@@ -328,7 +297,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
           float* s = scores.data() + h * L;
           float m = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
-          for (int64_t j = 0; j < L; ++j) s[j] = exp_nonpositive(s[j] - m);
+          for (int64_t j = 0; j < L; ++j) s[j] = arborl::exp_poly(s[j] - m);
           float part[8] = {0};
           int64_t j = 0;
           for (; j + 8 <= L; j += 8)
