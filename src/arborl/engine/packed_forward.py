@@ -22,7 +22,7 @@ from torch import nn
 
 from arborl.engine.cpu_kernels import available
 from arborl.engine.packed import PackedLinears
-from arborl.models.forward import Attend
+from arborl.models.forward import Attend, rope
 
 
 def _rms_norm_ok(norm: nn.Module) -> bool:
@@ -102,8 +102,7 @@ class _TorchOps:
     def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
         d = cos.shape[-1]
         v = x[:, : heads * d].view(x.shape[0], heads, d)
-        half = d // 2
-        v.copy_(v * cos[:, None] + torch.cat((-v[..., half:], v[..., :half]), dim=-1) * sin[:, None])
+        v.copy_(rope(v, cos[:, None], sin[:, None]))
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding, ``x * cos + rotate_half(x) * sin`` (the engine's kernel is held bitwise to it)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -102,8 +103,8 @@ def decoder_layer(
     q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = _rope(q.transpose(1, 2), cos, sin)
-    k = _rope(k.transpose(1, 2), cos, sin)
+    q = rope(q.transpose(1, 2), cos, sin)
+    k = rope(k.transpose(1, 2), cos, sin)
     out = attend(q, k, v.transpose(1, 2))
     h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
     return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
