@@ -115,17 +115,31 @@ def test_seeded_sampling_repeats_and_stop_strings_match_the_builtin_engine(env):
 def test_abort_ends_the_request_with_its_tokens(env):
     _, eng, _, _ = env
 
-    async def go():
-        req = GenerateRequest(PROMPT, greedy(400, ignore_eos=True))
-        n, result = 0, None
+    async def consume(req: GenerateRequest, seen: list[int]):
         async for ev in eng.stream(req):
             if hasattr(ev, "token_id"):
-                n += 1
-                if n == 5:
-                    eng.abort(req.request_id)
+                seen.append(ev.token_id)
             else:
-                result = ev
-        return n, result
+                return ev
+
+    async def go():
+        async with httpx.AsyncClient() as http:
+            for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
+                req, seen = GenerateRequest(PROMPT, greedy(400, ignore_eos=True)), []
+                task = asyncio.ensure_future(consume(req, seen))
+                while not task.done() and len(seen) < 5:
+                    await asyncio.sleep(0.01)
+                # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now is
+                # in flight when the abort arrives, whatever the machine's speed
+                assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200
+                running = await _vllm_running(http, eng.url) > 0 and not task.done()
+                if running:
+                    eng.abort(req.request_id)
+                await http.post(f"{eng.url}/resume", timeout=60)
+                result = await task
+                if running:
+                    return len(seen), result
+            raise AssertionError("the server finished every request before it could be paused")
 
     n, result = run(go())
     assert result.finish_reason.value == "abort"
