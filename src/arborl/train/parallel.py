@@ -21,7 +21,9 @@ collectives. Aggregations whose value depends on how the batch is cut are refuse
 FSDP2 shards with ``fully_shard``: one unit per decoder layer plus the root (embeddings, final
 norm, LM head). arborl's forward (``models/forward.py``) calls a layer's submodules, not the
 layer, so each layer (and the root) is made call-through: ``layer(fn, *args)`` runs ``fn(*args)``
-inside the layer's ``__call__``, where FSDP2 gathers its parameters and frees them after.
+inside the layer's ``__call__``, where FSDP2 gathers its parameters and frees them after. Ranks
+on one host under gloo gather and reduce-scatter through shared memory (``host_collectives.py``)
+instead of gloo's TCP loopback.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 from arborl.config import ParallelConfig, TrainConfig
 from arborl.models.forward import make_call_through
 from arborl.prefix import RadixTree
+from arborl.train.host_collectives import host_comms
 from arborl.train.packing import pack, packed_logprobs
 from arborl.train.trainer import StepPlan, Trainer, _merge_metrics, micro_batches
 from arborl.types import InvalidRequestError, Sample
@@ -138,6 +141,7 @@ def shard_model(model: nn.Module, par: ParallelConfig) -> nn.Module:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(par.mixed_precision), reduce_dtype=torch.float32
                                   if par.mixed_precision != "none" else None)
         offload = CPUOffloadPolicy() if par.cpu_offload else OffloadPolicy()
+        comms = host_comms(model)  # gloo on one host: shared memory instead of TCP loopback
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=par.reshard_after_forward, mp_policy=mp, offload_policy=offload)
             make_call_through(layer)
@@ -147,6 +151,9 @@ def shard_model(model: nn.Module, par: ParallelConfig) -> nn.Module:
             if isinstance(m, FSDPModule):  # sum over the ranks: the loss is already normalised globally
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+                if comms is not None:
+                    m.set_custom_all_gather(comms[0])
+                    m.set_custom_reduce_scatter(comms[1])
         return model
     if par.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
