@@ -1,7 +1,8 @@
-"""train.parallel under cluster.trainer_restarts: a trainer rank SIGKILLed mid-run (as step 2's first
-episode ends) tears the rank group down; the supervisor starts the run again from the last checkpoint
-(sharded, 2 FSDP2 ranks), the run finishes with every step once, every committed episode is still in
-the data pool, and no rank process is left. One local Ray session (2 CPUs)."""
+"""train.parallel under cluster.trainer_restarts: a trainer rank (a Ray actor of the trainer actor's rank
+group) SIGKILLed mid-run (as step 2's first episode ends) tears the rank group down; the supervisor starts
+the run again from the last checkpoint (sharded, 2 FSDP2 ranks), the run finishes with every step once,
+every committed episode is still in the data pool, and no rank process is left. One local Ray session
+(2 CPUs)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import signal_agent  # noqa: E402
-from helpers.parallel import rank_children  # noqa: E402
+from helpers.parallel import rank_actor_processes, rank_children  # noqa: E402
 from helpers.tiny_run import tiny_cfg  # noqa: E402
 
 from arborl.run import job  # noqa: E402
@@ -32,7 +33,7 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(ray_session, 
     monkeypatch.setenv("ARBORL_TEST_OWNER", str(os.getpid()))
     agent = signal_agent.install(tmp_path / "agent", "KILL", at=16 + 1, not_pid=os.getpid(), target="rank")
     cfg = tiny_cfg(tmp_path, "ranks", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0.5",
-                   "gateway.num_engines=1", "cluster.engine_cpus=1", "rollout.steps=3", "rollout.checkpoint_every=1",
+                   "gateway.num_engines=1", "cluster.engine_cpus=1", "cluster.rank_cpus=0.25", "rollout.steps=3", "rollout.checkpoint_every=1",
                    "train.parallel.ranks=2", "train.parallel.strategy=fsdp2", "train.packing=tree", agent)
     run = RunDir(cfg.run_dir, cfg.datapool)
     out: dict = {}
@@ -56,4 +57,4 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(ray_session, 
         statuses = dict(db.execute("select status, count(*) from episodes group by status").fetchall())
     assert statuses.get("running", 0) == 0 and statuses.get("finished", 0) >= 3 * 16
     assert (run.checkpoint / "dcp").is_dir()
-    assert not rank_children()
+    assert not rank_children() and not rank_actor_processes()

@@ -1017,6 +1017,12 @@ class ClusterConfig(Section):
     )
     trainer_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor (cluster.trainer_restarts > 0)")
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor (cluster.trainer_restarts > 0)")
+    rank_cpus: float = Field(
+        1.0, ge=0, description="CPUs reserved per trainer rank actor (train.parallel.ranks > 1: one placement-group "
+        "bundle each; its torch threads are train.parallel.threads_per_rank)")
+    rank_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved per trainer rank actor (train.parallel.ranks > 1; 1 = a GPU of its own, "
+        "which NCCL needs)")
     worker_cpus: float = Field(
         0.5, ge=0,
         description="CPUs reserved per rollout worker actor (rollout.workers > 0; agents and sandboxes mostly wait "

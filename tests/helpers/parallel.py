@@ -65,3 +65,24 @@ def rank_children() -> list[int]:
             if f"ARBORL_TEST_OWNER={os.getpid()}".encode() in env:
                 found.append(int(entry))
     return found
+
+
+def rank_actor_processes(grace_s: float = 10.0) -> list[int]:
+    """Ray trainer rank actor processes (``ray::RankActor``) still running after up to ``grace_s``
+    (a killed actor's worker exits asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if b"ray::RankActor" in f.read() and alive([int(entry)]):
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)

@@ -60,8 +60,9 @@ def signal_at(suite, sampling):
 
 
 def _last_rank() -> int:
-    """The highest-numbered ``arborl.train.ranks`` child of this process."""
-    ranks = {}
+    """The highest-numbered ``arborl.train.ranks`` child of this process, else (cluster.backend=ray, the
+    ranks are Ray actors) the newest Ray rank actor process."""
+    ranks, actors = {}, []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -74,6 +75,10 @@ def _last_rank() -> int:
         if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"arborl.train.ranks" in cmd:
             rank = [e for e in env.split(b"\0") if e.startswith(b"RANK=")]
             ranks[int(rank[0][5:])] = int(entry)
-    if not ranks:
-        raise RuntimeError("signal_agent: no trainer rank process to signal")
-    return ranks[max(ranks)]
+        elif b"ray::RankActor" in cmd:
+            actors.append(int(entry))
+    if ranks:
+        return ranks[max(ranks)]
+    if actors:
+        return max(actors)
+    raise RuntimeError("signal_agent: no trainer rank process to signal")

@@ -117,7 +117,12 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     t_start = time.perf_counter()
     loaded = load_model(cfg.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
-    trainer = make_trainer(loaded.model, cfg.train, temperature=r.temperature)  # one process or train.parallel's ranks
+    if cfg.cluster.backend == "ray" and cfg.train.parallel.strategy != "none":  # the ranks as Ray actors
+        from arborl.cluster.rank_actors import RayRankGroup
+
+        trainer = RayRankGroup(loaded.model, cfg.train, cfg.cluster, temperature=r.temperature)
+    else:
+        trainer = make_trainer(loaded.model, cfg.train, temperature=r.temperature)  # one process or train.parallel's ranks
     start_step, version, summary_prev = 0, 0, {}
     if resume:
         extra = load_trainer(run.checkpoint, trainer)

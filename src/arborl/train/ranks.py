@@ -60,20 +60,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, master_port: int, *, master_addr: str = "127.0.0.1", threads: int = 1) -> dict[str, str]:
-    """torchrun's variables for one rank of a single-node group (+ the thread count)."""
+def rank_env(rank: int, world: int, master_port: int, *, master_addr: str = "127.0.0.1", threads: int = 1,
+             local_rank: int | None = None, local_world: int | None = None, node_rank: int = 0) -> dict[str, str]:
+    """torchrun's variables for one rank (+ the thread count); a single-node group by default."""
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "OMP_NUM_THREADS": str(threads),
+        "RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world), "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": str(threads),
     }
+
+
+class _LocalRank(subprocess.Popen):
+    """A rank process of this host (its own session, killed with everything it started)."""
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class RankGroup:
     """``cfg.parallel.ranks`` trainer ranks started from this process, driven like one trainer.
 
     ``model``: the policy (sent to every rank, which shards it) or a picklable callable that builds
-    it in the rank (a large model: each rank loads it itself)."""
+    it in the rank (a large model: each rank loads it itself). The ranks are child processes here;
+    ``cluster.rank_actors.RayRankGroup`` places them as Ray actors instead (``_launch``)."""
+
+    control_host = "127.0.0.1"  # where the ranks reach this process
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module], cfg: TrainConfig, *, temperature: float = 1.0,
                  start_timeout_s: float = 300.0) -> None:
@@ -84,20 +98,13 @@ class RankGroup:
         self.world = cfg.parallel.ranks
         self.timeout_s = cfg.parallel.timeout_s
         self.step = 0
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Any] = []  # subprocess.Popen-like: pid, poll(), wait(timeout), returncode, kill()
         self.conns: list[Connection] = []
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        master_port = free_port()
-        src = str(Path(__file__).resolve().parents[2])  # this arborl, first on the ranks' path
+        listener = Listener((self.control_host, 0), authkey=authkey)
+        control = {CONTROL_ENV: f"{self.control_host}:{listener.address[1]}", AUTHKEY_ENV: authkey.hex()}
         try:
-            for r in range(self.world):
-                env = {**os.environ, **rank_env(r, self.world, master_port, threads=cfg.parallel.threads_per_rank),
-                       CONTROL_ENV: f"127.0.0.1:{listener.address[1]}", AUTHKEY_ENV: authkey.hex(), PARENT_ENV: str(os.getpid()),
-                       "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "arborl.train.ranks"], env=env, start_new_session=True,
-                ))
+            self._launch(control, start_timeout_s)
             self.conns = self._accept(listener, start_timeout_s)
             self._call("init", model, cfg.model_dump(), temperature, timeout=start_timeout_s)
         except BaseException:
@@ -105,6 +112,16 @@ class RankGroup:
             raise
         finally:
             listener.close()
+
+    def _launch(self, control: dict[str, str], timeout: float) -> None:
+        """Start the rank processes (into ``self.procs``); each reaches this process through ``control``."""
+        master_port = free_port()
+        src = str(Path(__file__).resolve().parents[2])  # this arborl, first on the ranks' path
+        for r in range(self.world):
+            env = {**os.environ, **rank_env(r, self.world, master_port, threads=self.cfg.parallel.threads_per_rank),
+                   **control, PARENT_ENV: str(os.getpid()),
+                   "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+            self.procs.append(_LocalRank([sys.executable, "-m", "arborl.train.ranks"], env=env, start_new_session=True))
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _accept(self, listener: Listener, timeout: float) -> list[Connection]:
@@ -192,10 +209,7 @@ class RankGroup:
                 pass
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                p.kill()
             p.wait()
         self.procs = []
 
@@ -340,7 +354,8 @@ def rank_main() -> None:
 
     from arborl.train.parallel import ShardedTrainer, default_backend
 
-    _die_with_parent()
+    if PARENT_ENV in os.environ:  # a child process of the driver (a Ray rank actor dies with its owner instead)
+        _die_with_parent()
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # split outputs, read only
     rank = int(os.environ["RANK"])
     host, port = os.environ[CONTROL_ENV].rsplit(":", 1)
@@ -356,7 +371,8 @@ def rank_main() -> None:
 
         backend = default_backend(cfg.parallel)
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            # a Ray rank actor sees only its own GPU (CUDA_VISIBLE_DEVICES): device 0 there
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=cfg.parallel.timeout_s))
         if not isinstance(model, nn.Module):
             model = model()
