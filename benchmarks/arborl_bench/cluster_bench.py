@@ -11,7 +11,7 @@
    (cluster.trainer_restarts=1), killed at a random moment after its first checkpoint (the gateway
    fault: it cannot die alone, see docs/cluster.md), must finish
    from it (``trainer_run_finished_after_kill``); ``episodes_lost`` = episodes left unfinished in the
-   data pools, ``calls_lost`` = calls the gateway answered but the data pool lacks (first run); the
+   data pools and, of the trainer run, episodes finished before the kill that its data pool lacks after, ``calls_lost`` = calls the gateway answered but the data pool lacks (first run); the
    killed engine actor must come back at the current version. ``cluster_startup_s`` = ray.init + placement group + actors ready.
 3. weight sync: a ~100 MB policy (tiny Llama, hidden 256) published to two engine actors by each
    method of ``cluster.weight_sync`` (collective: a gloo broadcast here, NCCL on GPUs);
@@ -34,6 +34,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def _cfg(root: Path, name: str, *extra: str) -> Config:
+def tiny_job(root: Path, name: str, *extra: str) -> Config:
+    """The tiny job's config (TINY) in ``root`` under ``name``, with ``extra`` overrides."""
     return load_config(None, [f"runs_dir={root}", f"name={name}", *TINY, *extra])
 
 
@@ -92,7 +94,7 @@ def _step_times(root: Path, steps: int) -> dict[str, Any]:
     """Both deployments side by side, their steps alternated (local, ray, local, ray, ...): a step on
     Ray is compared with the local step just before it, so load from other processes on the machine
     hits both alike. The ratio is the median of the per-pair ratios (the warm-up pair left out)."""
-    cfgs = {b: _cfg(root, f"steps-{b}", f"cluster.backend={b}") for b in ("local", "ray")}
+    cfgs = {b: tiny_job(root, f"steps-{b}", f"cluster.backend={b}") for b in ("local", "ray")}
     built: dict[str, Any] = {}
     try:
         for b, cfg in cfgs.items():
@@ -129,7 +131,7 @@ async def _alternate(cfgs: dict[str, Config], built: dict[str, Any], steps: int)
 
 def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
     # episodes in one rollout-worker actor (no CPU reserved: the two engines hold the local cluster's)
-    cfg = _cfg(root, "faults", "cluster.backend=ray", "rollout.infra_retries=3", "rollout.workers=1",
+    cfg = tiny_job(root, "faults", "cluster.backend=ray", "rollout.infra_retries=3", "rollout.workers=1",
                "cluster.worker_cpus=0")
     t0 = time.perf_counter()
     built, trainer = _build(cfg, root / "faults")
@@ -188,19 +190,18 @@ def _faults(root: Path, steps: int, rng: random.Random) -> dict[str, Any]:
         built.close()
 
 
-def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
-    """``arborl train`` with the trainer (and the gateway) in a trainer actor (cluster.trainer_restarts=1),
-    SIGKILLed at a random moment after its first checkpoint; the run must finish from that checkpoint."""
+def killed_run(cfg: Config, rng: random.Random, victim: Callable[[], int | None]) -> dict[str, Any]:
+    """``arborl train`` with ``cfg`` (cluster.trainer_restarts >= 1, rollout.checkpoint_every=1, 3 steps):
+    once its first checkpoint is written, at a random moment of the steps left, the process ``victim()``
+    names is SIGKILLed; the run must finish from the checkpoint. ``episodes_lost``: episodes committed
+    (finished) before the kill that the data pool lacks afterwards, plus episodes left running."""
     import io
     import sqlite3
     import threading
 
     from arborl.run import job
-    from arborl.cluster.supervise import actor_name
     from arborl.run.rundir import RunDir
 
-    cfg = _cfg(root, "trainer-fault", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0",
-               "rollout.steps=3", "rollout.checkpoint_every=1")
     run = RunDir(cfg.run_dir, cfg.datapool)
     out: dict[str, Any] = {}
 
@@ -210,26 +211,42 @@ def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - reported in the figures
             out["error"] = repr(e)
 
+    def finished() -> set[str]:
+        with sqlite3.connect(run.datapool_file) as db:
+            return {row[0] for row in db.execute("select episode_id from episodes where status = 'finished'")}
+
     t = threading.Thread(target=train, daemon=True)
     t.start()
     while not run.has_checkpoint() and t.is_alive():
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.1))  # a random moment of the two steps left
-    killed = 0
-    if t.is_alive():
-        import ray
-
-        os.kill(ray.get(ray.get_actor(actor_name(cfg, 0)).pid.remote()), signal.SIGKILL)
+    killed, committed = 0, set()
+    pid = victim() if t.is_alive() else None
+    if pid is not None:
+        committed = finished()
+        os.kill(pid, signal.SIGKILL)
         killed = 1
     t.join()
     with sqlite3.connect(run.datapool_file) as db:
         running = db.execute("select count(*) from episodes where status = 'running'").fetchone()[0]
     return {"killed": killed, "finished": "summary" in out and out["summary"]["steps"] == 3,
-            "episodes_left_running": running, **({"error": out["error"]} if "error" in out else {})}
+            "episodes_lost": len(committed - finished()) + running, **({"error": out["error"]} if "error" in out else {})}
+
+
+def _trainer_fault(root: Path, rng: random.Random) -> dict[str, Any]:
+    """``arborl train`` with the trainer (and the gateway) in a trainer actor (cluster.trainer_restarts=1),
+    SIGKILLed at a random moment after its first checkpoint; the run must finish from that checkpoint."""
+    import ray
+
+    from arborl.cluster.supervise import actor_name
+
+    cfg = tiny_job(root, "trainer-fault", "cluster.backend=ray", "cluster.trainer_restarts=1", "cluster.trainer_cpus=0",
+                   "rollout.steps=3", "rollout.checkpoint_every=1")
+    return killed_run(cfg, rng, lambda: ray.get(ray.get_actor(actor_name(cfg, 0)).pid.remote()))
 
 
 def _weight_sync(root: Path) -> dict[str, float]:
-    cfg = _cfg(root, "ws", "cluster.backend=ray", "model.tiny_hidden=256", "model.tiny_layers=2")
+    cfg = tiny_job(root, "ws", "cluster.backend=ray", "model.tiny_hidden=256", "model.tiny_layers=2")
     built, trainer = _build(cfg, root / "ws")
     out = {}
     try:
@@ -277,7 +294,7 @@ async def _decode_gaps(decode, prefill_via, prompts: list[list[int]]) -> list[fl
 
 
 def _pd(root: Path, turns: int) -> dict[str, float]:
-    cfg = _cfg(root, "pd", "cluster.backend=ray", "engine.prefix_cache_tokens=65536", "engine.max_seq_len=4096")
+    cfg = tiny_job(root, "pd", "cluster.backend=ray", "engine.prefix_cache_tokens=65536", "engine.max_seq_len=4096")
     built, _ = _build(cfg, root / "pd")
     out = {}
     try:
@@ -301,7 +318,7 @@ def _pd(root: Path, turns: int) -> dict[str, float]:
 
 def run(quick: bool, console: Console) -> dict[str, Any]:
     rng = random.Random(0)
-    ccfg = _cfg(Path("."), "x").cluster.model_copy(update={"num_cpus": max(2, os.cpu_count() or 2)})
+    ccfg = tiny_job(Path("."), "x").cluster.model_copy(update={"num_cpus": max(2, os.cpu_count() or 2)})
     t0 = time.perf_counter()
     started = start(ccfg)
     init_s = time.perf_counter() - t0
@@ -314,7 +331,7 @@ def run(quick: bool, console: Console) -> dict[str, Any]:
             tf = _trainer_fault(root, rng)
             faults["faults_injected"] += tf["killed"]
             faults["faults_killed"] += "+trainer+gateway" * tf["killed"]  # the gateway is an object of the trainer's process
-            faults["episodes_lost"] += tf["episodes_left_running"]
+            faults["episodes_lost"] += tf["episodes_lost"]
             faults["trainer_run_finished_after_kill"] = tf["finished"]
             ws = _weight_sync(root)
             pd = _pd(root, 4 if quick else 8)

@@ -95,6 +95,7 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("memory_per_rank_ratio", "fsdp2 memory per rank / 1 process", "x", "sharded training"),
         _f("step_time_ratio", "step time 2 ranks / 1 process", "x", "sharded training"),
         _f("sync_stream_peak_ratio", "streamed weight sync peak / gathered", "x", "sharded training"),
+        _f("episodes_lost", "episodes lost to a killed rank", "count", "sharded training"),
     ],
     "cluster": [
         _f("faults_injected", "faults injected", "count", "Ray"),

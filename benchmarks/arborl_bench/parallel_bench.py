@@ -12,14 +12,21 @@ Same batch, same start weights, 3 optimiser steps each:
   steps after the first;
 * ``sync_stream_s`` / ``sync_gather_s``: the whole policy out of the shards to this process, one layer
   at a time / gathered at once on rank 0, and ``sync_stream_peak_ratio``: the largest chunk rank 0
-  held / the model's bytes.
+  held / the model's bytes;
+* ``episodes_lost``, ``rank_killed``, ``run_finished_after_rank_kill``, ``rank_processes_left``: the tiny
+  ``arborl train`` job on 2 FSDP2 ranks (Ray actors) under a Ray trainer actor (cluster.trainer_restarts=1), one rank
+  SIGKILLed at a random moment after the first checkpoint; the run must finish from it, with every
+  episode committed before the kill still in the data pool and no rank process left.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -58,6 +65,45 @@ def workload(vocab: int, groups: int, size: int, prompt: int, response: int, see
 
 def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
+
+
+def _rank_processes() -> set[int]:
+    """Every trainer rank process on this machine: ``arborl.train.ranks`` children and Ray rank actors."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if (b"arborl.train.ranks" in cmd or b"ray::RankActor" in cmd) and state != "Z":
+            out.add(int(entry))
+    return out
+
+
+def killed_rank(rng: random.Random) -> dict:
+    """The tiny job on 2 FSDP2 ranks (Ray actors) beside a Ray trainer actor, a rank SIGKILLed after the
+    first checkpoint. 2 CPUs: the engine 1, the trainer actor 0.5, each rank 0.25."""
+    from arborl_bench.cluster_bench import killed_run, tiny_job
+
+    before = _rank_processes()
+    with tempfile.TemporaryDirectory(prefix="arborl-parallel-bench-") as tmp:
+        cfg = tiny_job(Path(tmp), "killed-rank", "cluster.backend=ray", "cluster.trainer_restarts=1",
+                       "cluster.trainer_cpus=0.5", "gateway.num_engines=1", "cluster.engine_cpus=1", "cluster.rank_cpus=0.25",
+                       "rollout.steps=3", "rollout.checkpoint_every=1", "train.parallel.ranks=2",
+                       "train.parallel.strategy=fsdp2", "train.packing=tree")
+
+        def victim() -> int | None:
+            ranks = sorted(_rank_processes() - before)
+            return rng.choice(ranks) if ranks else None
+
+        out = killed_run(cfg, rng, victim)
+    left = _rank_processes() - before
+    return {"rank_killed": out["killed"], "run_finished_after_rank_kill": out["finished"],
+            "episodes_lost": out["episodes_lost"], "rank_processes_left": len(left),
+            **({"rank_kill_error": out["error"]} if "error" in out else {})}
 
 
 def run(quick: bool, console: Console) -> dict:
@@ -141,13 +187,15 @@ def run(quick: bool, console: Console) -> dict:
         "sync_stream_s": round(stream_s, 3),
         "sync_gather_s": round(gather_s, 3),
         "sync_stream_peak_ratio": round(peak / model_bytes, 4),
-        "episodes_lost": None,  # the killed-rank run is not part of this bench yet (docs/cluster.md)
     }
+    console.print("  a rank killed in a run (tiny job, 2 FSDP2 rank actors, a Ray trainer actor) ...")
+    out.update(killed_rank(random.Random(0)))
     table = Table(title="1 process vs 2 FSDP2 ranks (SmolLM2-135M, gloo, CPU)")
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key in ("loss_max_rel_diff", "grad_max_rel_diff", "grad_floor_rel_diff", "param_max_rel_diff", "memory_per_rank_ratio",
-                "step_time_ratio", "sync_stream_s", "sync_gather_s", "sync_stream_peak_ratio"):
+                "step_time_ratio", "sync_stream_s", "sync_gather_s", "sync_stream_peak_ratio", "rank_killed",
+                "run_finished_after_rank_kill", "episodes_lost", "rank_processes_left"):
         value = out[key]
         table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
     console.print(table)
