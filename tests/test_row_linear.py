@@ -156,6 +156,9 @@ def test_the_knob_routes_up_to_max_rows_to_the_kernel_and_larger_forwards_to_one
         served = to_serving_dtype(copy.deepcopy(model), "bfloat16")
         on = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=3)
         off = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=0)
+        # bf16 panels alone (no oneDNN copy beside them); with the kernel off, oneDNN's copy alone
+        assert all(p.onednn is None and p.panels is not None for p in on.linear.packed_groups().values())
+        assert all(p.onednn is not None and p.panels is None for p in off.linear.packed_groups().values())
         assert calls(lambda: on.decode([1, 2, 3, 4], [0, 0, 0, 0])) == per_forward
         assert calls(lambda: on.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == per_forward
         assert calls(lambda: off.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == 0

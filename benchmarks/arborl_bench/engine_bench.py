@@ -262,8 +262,7 @@ def decode_roofline(model, limits: dict, batches: tuple[int, ...], *, bf16: bool
         step = iter(range(steps + 1))
         t = _best_s(lambda: runner.decode([11] * b, [context + next(step)] * b), steps)
         groups = runner.linear.packed_groups().values() if runner.linear is not None else []
-        weight_bytes = sum(p.panels.nbytes if p.panels is not None and b <= runner.linear.row_kernel_max_rows
-                           else p.onednn.nbytes for p in groups)
+        weight_bytes = sum(p.panels.nbytes if runner.linear.uses_panels(p, b) else p.onednn.nbytes for p in groups)
         flops = 2 * b * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
         mem_s, gemm_s = weight_bytes / (limits["copy_gb_per_s"] * 1e9), flops / peak
         out[b] = {"step_ms": round(t * 1e3, 2), "limit_ms": round(max(mem_s, gemm_s) * 1e3, 2),

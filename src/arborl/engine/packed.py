@@ -34,11 +34,12 @@ def _plain(m: nn.Module) -> bool:
 
 
 class PackedWeight(NamedTuple):
-    """One packed projection (or side-by-side group): oneDNN's reordered weight, the bias, each member's
-    out_features, and the row kernel's panels (None where it is off; bfloat16 pairs for ``Bf16Linear``
-    weights where the CPU has bf16 dot products, else float32)."""
+    """One packed projection (or side-by-side group): oneDNN's reordered weight (None where bf16 panels
+    take every row count), the bias, each member's out_features, and the row kernel's panels (None where
+    it is off; bfloat16 pairs for ``Bf16Linear`` weights where the CPU has bf16 dot products, else
+    float32)."""
 
-    onednn: torch.Tensor
+    onednn: torch.Tensor | None
     bias: torch.Tensor | None
     sizes: list[int]
     panels: torch.Tensor | None
@@ -91,16 +92,22 @@ class PackedLinears:
                               for m in mods])
         bf16 = all(isinstance(m, Bf16Linear) for m in mods) and has_bf16()
         panels = (to_bf16_panels(weight) if bf16 else to_panels(weight)) if self.row_kernel_max_rows else None
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT), bias,
-                            [m.out_features for m in mods], panels)
+        # bf16 panels take every row count, so no oneDNN copy (it was a third of a bf16 refresh's time)
+        onednn = None if panels is not None and bf16 else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        return PackedWeight(onednn, bias, [m.out_features for m in mods], panels)
 
-    def linear(self, packed: PackedWeight, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual + x @ W.T + bias`` for flat rows x [rows, in]: the row kernel up to
-        ``row_kernel_max_rows`` rows, oneDNN above (its ``add`` post-op for the residual)."""
+    def uses_panels(self, packed: PackedWeight, rows: int) -> bool:
+        """Whether ``rows`` rows run on the row kernel's panels (else oneDNN's reordered weight)."""
         # bf16 panels take every row count: at a prefill's 64-650 rows the bf16 row kernel ran ~300
         # GFLOP/s against oneDNN's ~212 in float32 (SmolLM2's shapes, 2 cores), and a prompt's rows
         # are then rounded as its decode rows are
-        if packed.panels is not None and (x.shape[0] <= self.row_kernel_max_rows or packed.panels.dtype == torch.bfloat16):
+        return packed.panels is not None and (rows <= self.row_kernel_max_rows or packed.onednn is None)
+
+    def linear(self, packed: PackedWeight, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + x @ W.T + bias`` for flat rows x [rows, in]: the row kernel up to
+        ``row_kernel_max_rows`` rows (bf16 panels: every row count), oneDNN above (its ``add`` post-op
+        for the residual)."""
+        if self.uses_panels(packed, x.shape[0]):
             return row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual)
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")

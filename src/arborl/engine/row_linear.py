@@ -34,9 +34,14 @@ def to_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> bfloat16 [ceil(out / 16), ceil(in / 2), 32]: panel p, pair row k holds
     W[16p + j, 2k + t] at 2j + t (an odd ``in`` padded with a zero column); rounded to nearest even."""
     out, inp = weight.shape
-    w = F.pad(weight.detach().float(), (0, inp % 2, 0, -out % PANEL))
+    w = weight.detach().float()
+    if inp % 2 or out % PANEL:
+        w = F.pad(w, (0, inp % 2, 0, -out % PANEL))
     p, k2 = w.shape[0] // PANEL, w.shape[1] // 2
-    return huge_zeros((p, k2, 2 * PANEL), torch.bfloat16).copy_(w.view(p, PANEL, k2, 2).permute(0, 2, 1, 3).reshape(p, k2, 2 * PANEL))
+    panels = huge_zeros((p, k2, 2 * PANEL), torch.bfloat16)
+    # one strided pass that rounds as it copies (a reshape of the permuted view first made a float copy)
+    panels.view(p, k2, PANEL, 2).copy_(w.view(p, PANEL, k2, 2).permute(0, 2, 1, 3))
+    return panels
 
 
 def row_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
