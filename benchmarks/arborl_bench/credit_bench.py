@@ -22,7 +22,9 @@
    mean ``mismatch/k3_kl`` of a training run rolling out in that dtype; ``success_bf16_none`` /
    ``success_bf16_tis`` / ``success_fp32``: the grpo_process run with bf16 rollout, without and with
    TIS, against fp32 rollout (``success_fp32`` is the grpo_process run itself); ``success_int8_tis``
-   and ``mismatch_kl_int8`` come from the same run with int8 rollout and TIS.
+   and ``mismatch_kl_int8`` come from the same run with int8 rollout and TIS;
+   ``success_bf16_tis_minus_fp32`` (± ``_se``, its standard error): the mean over PRECISION_SEEDS (12)
+   of bf16+TIS success minus fp32 success with the same seed.
 
 Quick: 4 steps per run, 3 seeds, 8 configurations (24 short runs); full: 12 steps and a 32-task eval.
 
@@ -43,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 SEEDS = (0, 1, 2)
+PRECISION_SEEDS = tuple(range(12))  # bf16 + TIS vs fp32: paired over these
 BASE = [
     "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
     "engine.max_seq_len=256", "engine.max_batch_size=16", "rollout.task=chain_tokens", "rollout.max_turns=3",
@@ -95,9 +98,10 @@ def _success(run: dict[str, Any], quick: bool) -> float:
     return float(run["summary"]["eval_success_after"])
 
 
-def _config_runs(label: str, overrides: list[str], quick: bool, steps: int, root: Path, console: Console) -> dict:
+def _config_runs(label: str, overrides: list[str], quick: bool, steps: int, root: Path, console: Console,
+                 seeds: tuple[int, ...] = SEEDS) -> dict:
     runs = []
-    for seed in SEEDS:
+    for seed in seeds:
         t0 = time.perf_counter()
         run = _train([f"seed={seed}", f"rollout.steps={steps}", *overrides], root, f"{label}-{seed}")
         runs.append(run)
@@ -106,6 +110,7 @@ def _config_runs(label: str, overrides: list[str], quick: bool, steps: int, root
     kls = [s["mismatch/k3_kl"] for r in runs for s in r["steps"] if "mismatch/k3_kl" in s]
     return {
         "success": statistics.fmean(_success(r, quick) for r in runs),
+        "per_seed": [_success(r, quick) for r in runs],
         "reward": statistics.fmean(s["reward"] for r in runs for s in r["steps"]),
         "gradnorm_p99": _p99(grads),
         "mismatch_kl": statistics.fmean(kls) if kls else None,
@@ -182,6 +187,12 @@ def _run(quick: bool, console: Console) -> dict[str, Any]:
                                 quick, steps, root, console)
         int8 = _config_runs("int8_tis", [*base, "engine.weights_dtype=int8", "train.correction.mode=tis"],
                             quick, steps, root, console)
+        # bf16 + TIS against fp32 on more seeds, paired by seed: SEEDS alone leave a difference of
+        # success rates a few points wide to chance (96 episodes each with --quick)
+        more = tuple(s for s in PRECISION_SEEDS if s not in SEEDS)
+        fp32_more = _config_runs("fp32_more", base, quick, steps, root, console, seeds=more)
+        bf16_more = _config_runs("bf16_tis_more", [*base, "engine.weights_dtype=bfloat16", "train.correction.mode=tis"],
+                                 quick, steps, root, console, seeds=more)
     for label, r in results.items():
         out[f"success_{label}"] = None if r is None else round(r["success"], 4)
         out[f"gradnorm_p99_{label}"] = None if r is None or r["gradnorm_p99"] is None else round(r["gradnorm_p99"], 4)
@@ -200,6 +211,10 @@ def _run(quick: bool, console: Console) -> dict[str, Any]:
     out["success_bf16_none"] = round(bf16_none["success"], 4)
     out["success_bf16_tis"] = round(bf16_tis["success"], 4)
     out["success_int8_tis"] = round(int8["success"], 4)
+    diffs = [b - f for b, f in zip(bf16_tis["per_seed"] + bf16_more["per_seed"], one["per_seed"] + fp32_more["per_seed"])]
+    out["precision_seeds"] = len(diffs)
+    out["success_bf16_tis_minus_fp32"] = round(statistics.fmean(diffs), 4)
+    out["success_bf16_tis_minus_fp32_se"] = round(statistics.stdev(diffs) / len(diffs) ** 0.5, 4)
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
 
     table = Table(title=f"credit ({'quick' if quick else 'full'}: {steps} steps x {len(SEEDS)} seeds)")
