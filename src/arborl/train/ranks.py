@@ -1,10 +1,11 @@
-"""The trainer ranks as processes of this host: ``RankGroup`` starts ``train.parallel.ranks`` rank
-processes and drives them like one trainer (train_step, engine_state, checkpoints).
+"""The trainer ranks: ``RankGroup`` starts ``train.parallel.ranks`` rank processes of this host
+(``cluster.rank_actors.RayRankGroup``: Ray actors placed by a placement group, the same protocol)
+and drives them like one trainer (train_step, engine_state, checkpoints).
 
 Each rank is ``python -m arborl.train.ranks`` with torchrun's environment (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): it joins the process group
 with ``init_process_group(init_method="env://")``, exactly as under ``torchrun``, and takes its
-commands from the driver over a local authenticated connection (``ARBORL_RANK_CONTROL``). The
+commands from the driver over an authenticated connection (``ARBORL_RANK_CONTROL``). The
 driver sends every rank the same command; a rank that raises, exits or stops answering tears the
 whole group down (each rank is its own process group, killed with SIGKILL after a grace period),
 and the caller gets a :class:`RankError`. ``close()`` (and the end of a ``with`` block, Ctrl-C
