@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from arborl.config import load_config
 from arborl.gateway.render import ChatRenderer, normalize_messages
@@ -100,3 +101,37 @@ def test_sft_raises_the_log_likelihood_of_held_out_demos(tmp_path, lora):
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoint")  # a Hugging Face model directory (LoRA merged)
     assert model.config.num_hidden_layers == 2
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file() and (run / "curves.png").is_file()
+
+
+@pytest.mark.parametrize("full_finetune", [True, False])
+def test_lora_after_a_full_warm_start_trains_every_weight_in_sft_and_only_adapters_in_rl(tmp_path, full_finetune):
+    """train.sft.full_finetune with train.lora_rank: the warm start moves weights LoRA does not adapt (the
+    embeddings), RL then trains adapters on top of them and leaves those weights as SFT left them; a
+    resumed run rebuilds that base from checkpoint-sft. Without the knob the warm start trains adapters."""
+    import safetensors.torch
+
+    from arborl.run.job import train
+    from helpers.tiny_run import tiny_cfg
+
+    f = tmp_path / "demos.jsonl"
+    f.write_text("".join(json.dumps(transcript(w)) + "\n" for w in WORDS[:8]))
+    over = [f"train.sft.files=[{f}]", "train.sft.batch_transcripts=4", "train.sft.heldout_fraction=0",
+            "train.sft.lr=1e-2", "train.lora_rank=4", f"train.sft.full_finetune={str(full_finetune).lower()}",
+            "rollout.checkpoint_every=1"]
+    cfg = tiny_cfg(tmp_path, "lora-rl", *over, "rollout.steps=1")
+    start = load_model(cfg.model).model.state_dict()["model.embed_tokens.weight"]
+    train(cfg)
+    run = cfg.run_dir
+    sft_embed = safetensors.torch.load_file(str(run / "checkpoint-sft" / "model.safetensors"))["model.embed_tokens.weight"]
+    assert (run / "checkpoint" / "lora.safetensors").is_file()  # RL trained adapters
+    if not full_finetune:  # LoRA in the warm start too: the embeddings never move
+        assert torch.equal(sft_embed, start)
+        return
+    assert not torch.equal(sft_embed, start)  # the warm start trained every weight
+    after = safetensors.torch.load_file(str(run / "checkpoint" / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(after, sft_embed)  # RL: adapters only, on the fine-tuned weights
+    train(tiny_cfg(tmp_path, "lora-rl", *over, "rollout.steps=2"), resume=True)  # rebuilt from checkpoint-sft
+    resumed = safetensors.torch.load_file(str(run / "checkpoint" / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(resumed, sft_embed)
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x).get("kind") == "step"] == [1, 2]

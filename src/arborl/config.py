@@ -538,6 +538,10 @@ class SFTConfig(Section):
     heldout_fraction: float = Field(
         0.1, ge=0, lt=1, description="transcripts kept out of training to measure held-out NLL per token (fraction)")
     rejection: RejectionConfig = Field(default_factory=RejectionConfig, description="rejection sampling / expert iteration")
+    full_finetune: bool = Field(
+        False, description="with train.lora_rank > 0 in `arborl train`: the warm start trains every weight and the "
+        "LoRA adapters are added for RL after it, on the fine-tuned weights (a resumed run rebuilds them from its "
+        "checkpoint-sft); False = the warm start trains the adapters too. No effect without LoRA or a warm start")
 
 
 class TrainConfig(Section):

@@ -116,13 +116,22 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                   f"{plural(r.batch_tasks, 'task')} x {plural(r.group_size, 'episode')}")
     t_start = time.perf_counter()
     loaded = load_model(cfg.model)
+    # LoRA for RL only (train.sft.full_finetune): the warm start trains every weight, the adapters come after it
+    lora_after_sft = cfg.train.lora_rank > 0 and cfg.train.sft.full_finetune and bool(
+        cfg.train.sft.files or cfg.train.sft.rejection.rounds)
+    if lora_after_sft and resume:  # the adapters of the checkpoint sit on the run's fine-tuned weights
+        if not (run.sft_checkpoint / "config.json").is_file():
+            raise ConfigError(f"{run.path} has no {run.sft_checkpoint.name}: its warm start did not finish, and with "
+                              "train.sft.full_finetune the RL adapters need it; start the run again with --overwrite")
+        load_model_weights(run.sft_checkpoint, loaded.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
+    first_cfg = cfg.train.model_copy(update={"lora_rank": 0}) if lora_after_sft and not resume else cfg.train
     if cfg.cluster.backend == "ray" and cfg.train.parallel.strategy != "none":  # the ranks as Ray actors
         from arborl.cluster.rank_actors import RayRankGroup
 
         trainer = RayRankGroup(loaded.model, cfg.train, cfg.cluster, temperature=r.temperature)
     else:
-        trainer = make_trainer(loaded.model, cfg.train, temperature=r.temperature)  # one process or train.parallel's ranks
+        trainer = make_trainer(loaded.model, first_cfg, temperature=r.temperature)  # one process or train.parallel's ranks
     start_step, version, summary_prev = 0, 0, {}
     if resume:
         extra = load_trainer(run.checkpoint, trainer)
@@ -169,11 +178,14 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
             async def sft_warm_start(summary: dict[str, Any]) -> None:
                 from arborl.run.sft import warm_start
 
+                nonlocal trainer
                 await warm_start(cfg, ctl, trainer, loaded.tokenizer, metrics.write, console, summary)
                 # the fine-tuned policy before RL, to evaluate, serve or start another RL run from
                 await asyncio.to_thread(save_hf_dir, run.sft_checkpoint, plain_state(trainer), trainer.policy,
                                         loaded.tokenizer)
                 summary["sft_checkpoint"] = str(run.sft_checkpoint)
+                if lora_after_sft:  # RL trains LoRA adapters on the fully fine-tuned weights
+                    trainer = ctl.trainer = make_trainer(trainer.policy, cfg.train, temperature=r.temperature)
 
             warm = sft_warm_start if not resume and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
             try:
