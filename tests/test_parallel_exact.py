@@ -62,3 +62,22 @@ def test_settings_that_are_not_exact_across_ranks_are_refused():
     check_supported(_cfg("fsdp2", 2, loss={"aggregation": "constant", "constant_normalizer": 64}))
     with pytest.raises(ValueError, match="strategy=ddp or fsdp2"):
         TrainConfig(parallel={"ranks": 2})
+
+
+def test_the_grad_norm_is_float64_and_clipping_scales_by_torchs_rule():
+    """The reported norm is the float64 norm of the gradients (float32's drifts ~1e-5 on a large model
+    and clipping scales every gradient by it); above train.grad_clip each gradient is x clip / (norm + 1e-6)."""
+    samples = make_samples(7)
+    raw_trainer = Trainer(tiny(), _cfg("none", 1, grad_clip=0.0))
+    raw_trainer.optimizer.step = lambda: None  # keep the gradients as the step left them
+    norm = raw_trainer.train_step(samples)["train/grad_norm"]
+    raw = {n: p.grad.clone() for n, p in raw_trainer.model.named_parameters() if p.grad is not None}
+    want = float(torch.sqrt(sum(g.double().pow(2).sum() for g in raw.values())))
+    assert norm == pytest.approx(want, rel=1e-12)
+    clip = norm / 4
+    clipped_trainer = Trainer(tiny(), _cfg("none", 1, grad_clip=clip))
+    clipped_trainer.optimizer.step = lambda: None
+    assert clipped_trainer.train_step(samples)["train/grad_norm"] == norm
+    for n, p in clipped_trainer.model.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, raw[n] * (clip / (norm + 1e-6))), n

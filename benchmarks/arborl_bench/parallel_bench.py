@@ -3,9 +3,11 @@
 Same batch, same start weights, 3 optimiser steps each:
 
 * ``loss_max_rel_diff``, ``grad_max_rel_diff`` (per tensor: max |g2 - g1| / max |g1|, the worst tensor and
-  step; ``grad_rel_diff_by_step`` each step's), ``param_max_rel_diff`` after the 3 steps, and
-  ``grad_floor_rel_diff``: the same measure between two single-process first steps whose micro-batches
-  differ (256 vs 4096 tokens): float32's summation-order floor on one process;
+  step), ``param_max_rel_diff`` after the 3 steps: against one process that accumulates the ranks' own
+  micro-batches (each rank's share, in rank order), so only the distribution differs;
+  ``*_one_microbatch`` (``grad_rel_diff_by_step`` each step's): against one process with the whole batch
+  in one micro-batch, read against ``grad_floor_rel_diff``, the same measure between two single-process
+  first steps whose micro-batches differ (256 vs 4096 tokens): float32's summation-order floor;
 * ``memory_per_rank_ratio``: bytes of parameters + gradients + optimiser state an FSDP2 rank holds
   (its local shards, counted from the tensors) / the one process's;
 * ``step_time_ratio``: median step time of the 2 ranks (1 thread each) / the one process (2 threads),
@@ -61,6 +63,26 @@ def workload(vocab: int, groups: int, size: int, prompt: int, response: int, see
                 chunk_ids=[0] * len(toks), advantages=[adv if m else 0.0 for m in mask], reward=adv,
             ))
     return out
+
+
+class SharesTrainer:
+    """Builds a one-process Trainer whose micro-batches are the ranks' shares (each rank's balanced share
+    of a step, in rank order): it sums the same micro-batch gradients in the ranks' order, so what is
+    left between it and the ranks is the distribution itself (split, normalisation, the sum)."""
+
+    def __new__(cls, model: torch.nn.Module, cfg: TrainConfig, ranks: int):
+        from arborl.train.parallel import balanced_split
+        from arborl.train.trainer import StepPlan, Trainer
+
+        class _Shares(Trainer):
+            def _plan(self, samples, part):
+                sub = [samples[i] for i in part]
+                micro = []
+                for share in balanced_split(sub, ranks, tree=self.cfg.packing != "flat"):
+                    micro += self._packed(samples, [part[i] for i in share])
+                return StepPlan(micro, len(micro))
+
+        return _Shares(model, cfg)
 
 
 def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -136,20 +158,31 @@ def run(quick: bool, console: Console) -> dict:
         other.train_step(samples)
         floor = _rel(full_grads(other), ref_grads[0])
         del other
+        # the same process over the ranks' own micro-batches (each rank's share, rank order)
+        shares = SharesTrainer(smollm2(), TrainConfig(**base), 2)
+        share_metrics, share_grads = [], []
+        for _ in range(STEPS):
+            share_metrics.append(shares.train_step(samples))
+            share_grads.append(full_grads(shares))
+        share_params = full_params(shares)
+        del shares
     finally:
         torch.set_num_threads(threads)
     del model
 
     cfg = TrainConfig(**base, parallel={"ranks": 2, "strategy": "fsdp2", "threads_per_rank": 1})
-    metrics, by_step = [], []
+    metrics, by_step, by_step_shares = [], [], []
     with RankGroup(smollm2, cfg) as group:
         for step in range(STEPS):
             metrics.append(group.train_step(samples))
             grads = group.run(full_grads)[0]
             by_step.append(_rel(grads, ref_grads[step]))
+            by_step_shares.append(_rel(grads, share_grads[step]))
             del grads
             console.print(f"  2 ranks    step {step + 1}: {metrics[-1]['train/step_s']:.2f} s")
-        param_diff = _rel(group.run(full_params)[0], ref_params)
+        rank_params = group.run(full_params)[0]
+        param_diff, param_diff_shares = _rel(rank_params, ref_params), _rel(rank_params, share_params)
+        del rank_params
         rank_bytes = [b["total"] for b in group.state_bytes()]
         t0 = time.perf_counter()
         state: dict[str, torch.Tensor] = {}
@@ -162,20 +195,26 @@ def run(quick: bool, console: Console) -> dict:
         gather_s = time.perf_counter() - t0
         del gathered
 
-    loss_diff = max(abs(m["loss/total"] - r["loss/total"]) / max(abs(r["loss/total"]), 1e-12)
-                    for m, r in zip(metrics, ref_metrics))
+    def loss_diff_to(refs: list[dict]) -> float:
+        return max(abs(m["loss/total"] - r["loss/total"]) / max(abs(r["loss/total"]), 1e-12) for m, r in zip(metrics, refs))
+
     one = statistics.median(m["train/step_s"] for m in ref_metrics[1:])
     two = statistics.median(m["train/step_s"] for m in metrics[1:])
     out = {
         "benchmark": "parallel", "quick": quick, "model": "SmolLM2-135M-Instruct", "ranks": 2, "strategy": "fsdp2",
         "steps": STEPS, "samples": len(samples),
-        "loss_max_rel_diff": loss_diff,
-        "grad_max_rel_diff": max(by_step),
-        # step 1 starts from the same weights (only the summation order differs); later steps also carry the
-        # parameters' own float drift
+        # against the one process over the ranks' own micro-batches: the distribution's error alone
+        "loss_max_rel_diff": loss_diff_to(share_metrics),
+        "grad_max_rel_diff": max(by_step_shares),
+        "param_max_rel_diff": param_diff_shares,
+        # against the one process with the whole batch as one micro-batch: float32's summation order too
+        # (step 1 starts from the same weights; later steps also carry the parameters' own drift), read
+        # against grad_floor_rel_diff, one process against itself with other micro-batches
+        "loss_max_rel_diff_one_microbatch": loss_diff_to(ref_metrics),
+        "grad_max_rel_diff_one_microbatch": max(by_step),
         "grad_rel_diff_by_step": by_step,
         "grad_floor_rel_diff": floor,
-        "param_max_rel_diff": param_diff,
+        "param_max_rel_diff_one_microbatch": param_diff,
         "grad_norm_rel_diff": max(abs(m["train/grad_norm"] - r["train/grad_norm"]) / r["train/grad_norm"]
                                   for m, r in zip(metrics, ref_metrics)),
         "memory_single_mb": round(ref_bytes / 2**20, 1),
@@ -193,7 +232,8 @@ def run(quick: bool, console: Console) -> dict:
     table = Table(title="1 process vs 2 FSDP2 ranks (SmolLM2-135M, gloo, CPU)")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key in ("loss_max_rel_diff", "grad_max_rel_diff", "grad_floor_rel_diff", "param_max_rel_diff", "memory_per_rank_ratio",
+    for key in ("loss_max_rel_diff", "grad_max_rel_diff", "param_max_rel_diff", "grad_max_rel_diff_one_microbatch",
+                "grad_floor_rel_diff", "param_max_rel_diff_one_microbatch", "memory_per_rank_ratio",
                 "step_time_ratio", "sync_stream_s", "sync_gather_s", "sync_stream_peak_ratio", "rank_killed",
                 "run_finished_after_rank_kill", "episodes_lost", "rank_processes_left"):
         value = out[key]

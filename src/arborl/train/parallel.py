@@ -256,11 +256,12 @@ class ShardedTrainer(Trainer):
         dist.all_reduce(tokens)
         return {**_merge_metrics(merged), "train/grad_norm": grad_norm}, int(tokens[0]), int(tokens[1])
 
-    def _clip_and_step(self) -> float:
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # the global norm (DTensor under fsdp2)
-        self.optimizer.step()
-        return float(_full(norm))
+    def _global_grad_norm(self) -> float:
+        """float64 over every rank's shard under fsdp2 (DDP's gradients are whole on each rank)."""
+        sq = self._grad_sq_sum()
+        if self.par.strategy == "fsdp2":
+            dist.all_reduce(sq)
+        return float(sq.sqrt())
 
     @torch.no_grad()
     def _logprobs(self, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
