@@ -115,20 +115,22 @@ def test_seeded_sampling_repeats_and_stop_strings_match_the_builtin_engine(env):
 def test_abort_ends_the_request_with_its_tokens(env):
     _, eng, _, _ = env
 
-    async def consume(req: GenerateRequest, seen: list[int]):
+    async def consume(req: GenerateRequest, seen: list[int], fifth: asyncio.Event):
         async for ev in eng.stream(req):
             if hasattr(ev, "token_id"):
                 seen.append(ev.token_id)
+                if len(seen) == 5:
+                    fifth.set()
             else:
+                fifth.set()  # finished before its fifth token
                 return ev
 
     async def go():
         async with httpx.AsyncClient() as http:
             for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
-                req, seen = GenerateRequest(PROMPT, greedy(400, ignore_eos=True)), []
-                task = asyncio.ensure_future(consume(req, seen))
-                while not task.done() and len(seen) < 5:
-                    await asyncio.sleep(0.01)
+                req, seen, fifth = GenerateRequest(PROMPT, greedy(400, ignore_eos=True)), [], asyncio.Event()
+                task = asyncio.ensure_future(consume(req, seen, fifth))
+                await fifth.wait()
                 # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now is
                 # in flight when the abort arrives, whatever the machine's speed
                 assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200

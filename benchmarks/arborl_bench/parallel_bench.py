@@ -35,6 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from arborl.config import ModelConfig, TrainConfig
+from arborl.train.parallel import balanced_split
+from arborl.train.trainer import StepPlan, Trainer
 from arborl.types import Sample
 
 STEPS = 3
@@ -65,24 +67,21 @@ def workload(vocab: int, groups: int, size: int, prompt: int, response: int, see
     return out
 
 
-class SharesTrainer:
-    """Builds a one-process Trainer whose micro-batches are the ranks' shares (each rank's balanced share
-    of a step, in rank order): it sums the same micro-batch gradients in the ranks' order, so what is
-    left between it and the ranks is the distribution itself (split, normalisation, the sum)."""
+class SharesTrainer(Trainer):
+    """One process whose micro-batches are the ranks' shares (each rank's balanced share of a step, in
+    rank order): it sums the same micro-batch gradients in the ranks' order, so what is left between it
+    and the ranks is the distribution itself (split, normalisation, the sum)."""
 
-    def __new__(cls, model: torch.nn.Module, cfg: TrainConfig, ranks: int):
-        from arborl.train.parallel import balanced_split
-        from arborl.train.trainer import StepPlan, Trainer
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, ranks: int) -> None:
+        self.ranks = ranks
+        super().__init__(model, cfg)
 
-        class _Shares(Trainer):
-            def _plan(self, samples, part):
-                sub = [samples[i] for i in part]
-                micro = []
-                for share in balanced_split(sub, ranks, tree=self.cfg.packing != "flat"):
-                    micro += self._packed(samples, [part[i] for i in share])
-                return StepPlan(micro, len(micro))
-
-        return _Shares(model, cfg)
+    def _plan(self, samples: list[Sample], part: list[int]) -> StepPlan:
+        sub = [samples[i] for i in part]
+        micro = []
+        for share in balanced_split(sub, self.ranks, tree=self.cfg.packing != "flat"):
+            micro += self._packed(samples, [part[i] for i in share])
+        return StepPlan(micro, len(micro))
 
 
 def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -131,7 +130,6 @@ def killed_rank(rng: random.Random) -> dict:
 def run(quick: bool, console: Console) -> dict:
     from arborl.train.parallel import full_grads, full_params, single_state_bytes
     from arborl.train.ranks import RankGroup
-    from arborl.train.trainer import Trainer
 
     groups, size, prompt, response = (4, 4, 48, 24) if quick else (8, 4, 96, 48)
     base = dict(lr=1e-5, packing="tree", micro_batch_tokens=4096, grad_clip=1.0)

@@ -17,7 +17,7 @@ from typing import Any
 
 from arborl.cluster.actor import EngineActor
 from arborl.cluster.remote import ActorEngine
-from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg, start, stop
+from arborl.cluster.session import ClusterError, placed_group, ray_module, remove_pg, start, stop
 from arborl.cluster.weights import WEIGHT_SYNC, WeightPublisher
 from arborl.config import Config
 
@@ -57,20 +57,11 @@ class RayDeployment:
 
     def _place(self, cfg: Config, loaded: Any, version: int) -> None:
         ray = ray_module()
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c, n = cfg.cluster, cfg.gateway.num_engines
-        bundle = engine_bundle(cfg)
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=c.placement_strategy,
-                                  name=pg_name("engines"))
-        try:
-            ray.get(self.pg.ready(), timeout=c.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(
-                f"the placement group of {n} engine bundles {bundle} ({c.placement_strategy}) was not placed within "
-                f"cluster.placement_timeout_s={c.placement_timeout_s:g} s; the cluster has {ray.available_resources()} "
-                "free: lower gateway.num_engines or cluster.engine_cpus / engine_gpus, or add nodes") from None
+        self.pg = placed_group(c, engine_bundle(cfg), n, "engines", what="engine",
+                               lower="gateway.num_engines or cluster.engine_cpus / engine_gpus")
         # one copy of the policy in the object store, every actor builds its engine from it
         self._loaded_ref = loaded_ref = ray.put(dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).cpu()))
         remote_cls = ray.remote(EngineActor)

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg, start, stop
+from arborl.cluster.session import ClusterError, placed_group, ray_module, remove_pg, start, stop
 from arborl.config import ClusterConfig, TrainConfig
 from arborl.train.ranks import RankGroup, free_port, rank_env, rank_main
 
@@ -92,20 +92,12 @@ class RayRankGroup(RankGroup):
 
     def _launch(self, control: dict[str, str], timeout: float) -> None:
         ray = ray_module()
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c, n = self.cluster, self.world
         bundle = {"CPU": c.rank_cpus, **({"GPU": c.rank_gpus} if c.rank_gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=c.placement_strategy, name=pg_name("ranks"))
-        try:
-            ray.get(self.pg.ready(), timeout=c.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(
-                f"the placement group of {n} trainer rank bundles {bundle} ({c.placement_strategy}) was not placed "
-                f"within cluster.placement_timeout_s={c.placement_timeout_s:g} s; the cluster has "
-                f"{ray.available_resources()} free: lower train.parallel.ranks or cluster.rank_cpus / rank_gpus, "
-                "or add nodes") from None
+        self.pg = placed_group(c, bundle, n, "ranks", what="trainer rank",
+                               lower="train.parallel.ranks or cluster.rank_cpus / rank_gpus")
         remote_cls = ray.remote(RankActor)
         self.actors = [remote_cls.options(
             num_cpus=c.rank_cpus, num_gpus=c.rank_gpus, max_restarts=0,

@@ -62,6 +62,25 @@ def remove_pg(pg) -> None:  # noqa: ANN001 - a Ray PlacementGroup
         pass
 
 
+def placed_group(cfg: ClusterConfig, bundle: dict[str, float], n: int, kind: str, *, what: str, lower: str):
+    """A placement group of ``n`` copies of ``bundle`` (``cfg.placement_strategy``), placed within
+    ``cfg.placement_timeout_s``; otherwise it is removed and a ClusterError says what the cluster has free
+    and the knobs to ``lower``."""
+    ray = ray_module()
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.placement_strategy, name=pg_name(kind))
+    try:
+        ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_pg(pg)
+        raise ClusterError(
+            f"the placement group of {n} {what} bundles {bundle} ({cfg.placement_strategy}) was not placed within "
+            f"cluster.placement_timeout_s={cfg.placement_timeout_s:g} s; the cluster has {ray.available_resources()} "
+            f"free: lower {lower}, or add nodes") from None
+    return pg
+
+
 def pg_name(kind: str) -> str:
     """A placement group's name: what it holds and the process that made it (``remove_orphans``)."""
     return f"arborl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
