@@ -152,6 +152,112 @@ ARBORL_TARGET_AVX512 void weighted_sum_avx512(const float* p, const T* vbase, co
   }
   for (int u = 0; u < N; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
 }
+
+// every cache line of one cache row of D values, into L2 (a hint: never faults). A decode step reads
+// every slot's whole cache (SmolLM2, 32 rows x ~100 keys: 159 MB in float32) in runs of a few KB that
+// the hardware prefetchers barely start on: fetching the value rows during the scores and the next
+// task's key rows during the weighted sum took 30 layers from 10-13 ms to 7-8 ms (bf16: 8-9 to 4.5-5);
+// the same hints into L1 (prefetcht0) gained nothing, their misses queueing behind the loads'.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+// The G query heads that share a KV head, over one pass of its keys: 8 key rows at a time (a bf16
+// block widened once into ``wide``, exactly as load16 widens it), each head's scores of the block
+// summed as scores_avx512 sums them; so the scores are bitwise scores_avx512's, head by head.
+template <typename T>
+ARBORL_TARGET_AVX512 void scores_heads_avx512(const float* q, int64_t G, const T* kbase, const int64_t* keys, int64_t L,
+                                              int64_t D, float scale, float* scores, float* wide, const T* vbase) {
+  int64_t j = 0;
+  if (D % 16 == 0) {
+    for (; j + 8 <= L; j += 8) {
+      const float* rows[8];
+      for (int u = 0; u < 8; ++u) {
+        prefetch_row(vbase + keys[j + u] * D, D);
+        const T* src = kbase + keys[j + u] * D;
+        if constexpr (std::is_same_v<T, float>) {
+          rows[u] = src;
+        } else {
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(wide + u * D + d, load16(src + d));
+          rows[u] = wide + u * D;
+        }
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = q + h * D;
+        __m512 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(qh + d);
+          for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[u] + d), a[u]);
+        }
+        __m256 f[8];
+        for (int u = 0; u < 8; ++u) f[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), _mm512_extractf32x8_ps(a[u], 1));
+        const __m256 h01 = _mm256_hadd_ps(f[0], f[1]), h23 = _mm256_hadd_ps(f[2], f[3]);
+        const __m256 h45 = _mm256_hadd_ps(f[4], f[5]), h67 = _mm256_hadd_ps(f[6], f[7]);
+        const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+        const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+        _mm256_storeu_ps(scores + h * L + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+      }
+    }
+  }
+  for (; j < L; ++j)
+    for (int64_t h = 0; h < G; ++h) scores[h * L + j] = dot(q + h * D, kbase + keys[j] * D, D) * scale;
+}
+
+// acc[h, :16N] += sum_j p[h, j] * V[keys[j]] for H heads in one pass over V: each value row loaded
+// (and widened) once for the H heads; every element still one fused multiply-add chain over j in order
+template <int N, int H, typename T>
+ARBORL_TARGET_AVX512 void weighted_sum_heads_avx512(const float* p, int64_t L, const T* vbase, const int64_t* keys,
+                                                    float* acc, const T* next, int64_t next_rows) {
+  __m512 a[H][N];
+  for (int h = 0; h < H; ++h)
+    for (int u = 0; u < N; ++u) a[h][u] = _mm512_loadu_ps(acc + h * 16 * N + 16 * u);
+  for (int64_t j = 0; j < L; ++j) {
+    if (j < next_rows) prefetch_row(next + j * 16 * N, 16 * N);
+    const T* v = vbase + keys[j] * (16 * N);
+    __m512 row[N];
+    for (int u = 0; u < N; ++u) row[u] = load16(v + 16 * u);
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * L + j]);
+      for (int u = 0; u < N; ++u) a[h][u] = _mm512_fmadd_ps(w, row[u], a[h][u]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int u = 0; u < N; ++u) _mm512_storeu_ps(acc + h * 16 * N + 16 * u, a[h][u]);
+}
+
+// heads in groups that keep their accumulators in registers (at most 16 zmm)
+template <int N, typename T>
+ARBORL_TARGET_AVX512 void weighted_sum_heads_n(const float* p, int64_t G, int64_t L, const T* vbase, const int64_t* keys,
+                                               float* acc, const T* next, int64_t next_rows) {
+  constexpr int kMax = 16 / N > 4 ? 4 : 16 / N;
+  for (int64_t h0 = 0; h0 < G; h0 += kMax) {
+    const float* ph = p + h0 * L;
+    float* ah = acc + h0 * 16 * N;
+    const int64_t nr = h0 == 0 ? next_rows : 0;  // the next task's keys, fetched during the first pass
+    switch (G - h0 >= kMax ? kMax : G - h0) {
+      case 1: weighted_sum_heads_avx512<N, 1, T>(ph, L, vbase, keys, ah, next, nr); break;
+      case 2: if constexpr (kMax >= 2) weighted_sum_heads_avx512<N, 2, T>(ph, L, vbase, keys, ah, next, nr); break;
+      case 3: if constexpr (kMax >= 3) weighted_sum_heads_avx512<N, 3, T>(ph, L, vbase, keys, ah, next, nr); break;
+      default: if constexpr (kMax >= 4) weighted_sum_heads_avx512<N, 4, T>(ph, L, vbase, keys, ah, next, nr); break;
+    }
+  }
+}
+
+// weighted_sum for all G heads at once, where D has a register-resident form (else false)
+template <typename T>
+inline bool weighted_sum_heads(const float* p, int64_t G, int64_t L, const T* vbase, const int64_t* keys, int64_t D,
+                               float* acc, const T* next, int64_t next_rows) {
+  switch (D) {
+    case 64: weighted_sum_heads_n<4, T>(p, G, L, vbase, keys, acc, next, next_rows); return true;
+    case 128: weighted_sum_heads_n<8, T>(p, G, L, vbase, keys, acc, next, next_rows); return true;
+    case 32: weighted_sum_heads_n<2, T>(p, G, L, vbase, keys, acc, next, next_rows); return true;
+    case 96: weighted_sum_heads_n<6, T>(p, G, L, vbase, keys, acc, next, next_rows); return true;
+    default: return false;
+  }
+}
 #endif
 
 template <typename T>
@@ -278,7 +384,7 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
     at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       std::vector<int64_t> keys;
-      std::vector<float> acc(G * D);
+      std::vector<float> acc(G * D), wide(8 * D);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t r = task / Hkv, g = task % Hkv;
         keys.clear();
@@ -290,7 +396,12 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
         const auto* kbase = kd + slot_p[r] * s_slot + g * s_head;
         const auto* vbase = vd + slot_p[r] * s_slot + g * s_head;
         const float* qrow = qd + (r * Hq + g * G) * D;
-        for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L, level);
+#ifdef ARBORL_X86
+        if (level >= arborl::kAvx512)
+          scores_heads_avx512(qrow, G, kbase, keys.data(), L, D, fscale, scores.data(), wide.data(), vbase);
+        else
+#endif
+          for (int64_t h = 0; h < G; ++h) scores_row(qrow + h * D, kbase, keys.data(), L, D, fscale, scores.data() + h * L, level);
         std::fill(acc.begin(), acc.end(), 0.0f);
         std::vector<float> total(G, 0.0f);
         for (int64_t h = 0; h < G; ++h) {
@@ -306,7 +417,18 @@ at::Tensor tree_attention(const at::Tensor& q_in, at::Tensor k_cache, at::Tensor
           for (; j < L; ++j) sum += s[j];
           total[h] = sum;
         }
-        for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D, level);
+        bool joint = false;
+#ifdef ARBORL_X86
+        if (level >= arborl::kAvx512) {
+          // the next task's cache rows [0, its prefix) start coming in while this one sums V
+          const int64_t r1 = (task + 1) / Hkv, g1 = (task + 1) % Hkv;
+          const bool more = task + 1 < end;
+          joint = weighted_sum_heads(scores.data(), G, L, vbase, keys.data(), D, acc.data(),
+                                     more ? kd + slot_p[r1] * s_slot + g1 * s_head : kbase, more ? prefix_p[r1] : 0);
+        }
+#endif
+        if (!joint)
+          for (int64_t h = 0; h < G; ++h) weighted_sum(scores.data() + h * L, vbase, keys.data(), L, D, acc.data() + h * D, level);
         for (int64_t h = 0; h < G; ++h) {
           float* o = od + (r * Hq + g * G + h) * D;
           const float inv = 1.0f / total[h];
