@@ -76,6 +76,15 @@ def test_reward_rises_on_a_learnable_task(tmp_path):
     assert_steps_trained_their_draws(cfg, range(12))
 
 
+def test_report_curves_off_skips_the_plot_and_nothing_else(tmp_path):
+    cfg = tiny_cfg(tmp_path, "nocurves", "rollout.steps=1", "rollout.eval_tasks=0", "report.curves=false")
+    summary = train(cfg)
+    assert summary["steps"] == 1
+    assert not (cfg.run_dir / "curves.png").exists()
+    for f in ("config.yaml", "metrics.jsonl", "datapool.sqlite", "summary.json", "checkpoint/model.safetensors"):
+        assert (cfg.run_dir / f).exists(), f
+
+
 def test_resume_continues_the_same_run(tmp_path):
     straight = tiny_cfg(tmp_path, "straight", "rollout.steps=4", "rollout.eval_tasks=0")
     train(straight)

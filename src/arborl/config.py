@@ -989,6 +989,11 @@ class ReportConfig(Section):
         "written), tensorboard (<run_dir>/tensorboard), wandb (offline, <run_dir>/wandb), mlflow (local file store "
         "<run_dir>/mlruns), or module:attr / file.py:attr; the trackers are extras: pip install 'arborl[tensorboard]'",
     )
+    curves: bool = Field(
+        True,
+        description="draw <run_dir>/curves.png (each step's reward, success, loss, ...) when the run ends; about a "
+        "second of matplotlib per run, so off for sweeps of many short runs (metrics.jsonl holds the same numbers)",
+    )
 
     @field_validator("loggers", mode="before")
     @classmethod

@@ -199,14 +199,16 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     if stopped:
         summary["stopped"] = stopped
     (run.path / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    plot_run(metrics.read(), run.path / "curves.png", title=f"{cfg.name}: per step")
+    if cfg.report.curves:
+        plot_run(metrics.read(), run.path / "curves.png", title=f"{cfg.name}: per step")
     console.print(summary_table(summary, title=f"arborl train {cfg.name}"))
     _say(console, f"outputs in {run.path}/")
     done = summary["steps"]
     if stop.requested:
         code = 128 + (stop.signum or 0)
-        msg = (f"stopped by {stop.name} after step {done} of {r.steps}: the checkpoint (step {done}), summary.json "
-               f"and curves.png are in {run.path}/. Resume with: {resume_command(run.path)}  "
+        outputs = "summary.json and curves.png" if cfg.report.curves else "summary.json"
+        msg = (f"stopped by {stop.name} after step {done} of {r.steps}: the checkpoint (step {done}) and {outputs} "
+               f"are in {run.path}/. Resume with: {resume_command(run.path)}  "
                f"(exit status {code} = 128 + {stop.name})")
         if not supervised():  # in the trainer actor the driver says it
             _say(console, msg, style="yellow")
