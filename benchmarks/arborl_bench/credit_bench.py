@@ -23,8 +23,9 @@
    ``success_bf16_tis`` / ``success_fp32``: the grpo_process run with bf16 rollout, without and with
    TIS, against fp32 rollout (``success_fp32`` is the grpo_process run itself); ``success_int8_tis``
    and ``mismatch_kl_int8`` come from the same run with int8 rollout and TIS;
-   ``success_bf16_tis_minus_fp32`` (± ``_se``, its standard error): the mean over PRECISION_SEEDS (12)
-   of bf16+TIS success minus fp32 success with the same seed.
+   ``success_bf16_tis_minus_fp32`` (± ``_se``, its standard error): the mean over PRECISION_SEEDS (quick
+   160, full 48) of bf16+TIS success minus fp32 success with the same seed; those pairs run in two
+   worker processes (``PRECISION_WORKERS``), the rest in this one.
 
 Quick: 4 steps per run, 3 seeds, 8 configurations (24 short runs); full: 12 steps and a 32-task eval.
 
@@ -34,9 +35,11 @@ Every figure is a mean over seeds of this run; ``null`` where a knob is missing.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +48,14 @@ from rich.console import Console
 from rich.table import Table
 
 SEEDS = (0, 1, 2)
-PRECISION_SEEDS = tuple(range(12))  # bf16 + TIS vs fp32: paired over these
+# bf16 + TIS vs fp32, paired by seed. The tiny model's next-token distributions are nearly flat over
+# 49k tokens, so a bf16 rounding moves most inverse-CDF draws to another token even with the same
+# uniform: the pair's runs are about as different as two seeds' (paired differences' SD ~19 points
+# of success over 12 seeds). 160 pairs put the standard error near 1.5 points.
+PRECISION_SEEDS = {True: tuple(range(160)), False: tuple(range(48))}  # quick / full (12-step runs, held-out eval)
+PRECISION_WORKERS = 2  # the pairs' runs go to this many processes, one torch thread each
 BASE = [
+    "report.curves=false",
     "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
     "engine.max_seq_len=256", "engine.max_batch_size=16", "rollout.task=chain_tokens", "rollout.max_turns=3",
     "rollout.max_tokens=2", "rollout.batch_tasks=4", "rollout.group_size=4", "train.lr=0.05",
@@ -98,14 +107,24 @@ def _success(run: dict[str, Any], quick: bool) -> float:
     return float(run["summary"]["eval_success_after"])
 
 
+def _seed_run(job: tuple[list[str], str, str]) -> dict[str, Any]:
+    """One run of ``_config_runs`` in a worker process (one torch thread, as the bench's own)."""
+    torch.set_num_threads(1)
+    overrides, root, name = job
+    return _train(overrides, Path(root), name)
+
+
 def _config_runs(label: str, overrides: list[str], quick: bool, steps: int, root: Path, console: Console,
-                 seeds: tuple[int, ...] = SEEDS) -> dict:
-    runs = []
-    for seed in seeds:
-        t0 = time.perf_counter()
-        run = _train([f"seed={seed}", f"rollout.steps={steps}", *overrides], root, f"{label}-{seed}")
-        runs.append(run)
-        console.print(f"  {label} seed {seed}: {time.perf_counter() - t0:.0f} s", highlight=False)
+                 seeds: tuple[int, ...] = SEEDS, workers: int = 1) -> dict:
+    jobs = [([f"seed={seed}", f"rollout.steps={steps}", *overrides], str(root), f"{label}-{seed}") for seed in seeds]
+    t0 = time.perf_counter()
+    if workers > 1:  # each run is seeded and alone in its process: the results of running them here
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs = list(pool.map(_seed_run, jobs))
+    else:
+        runs = [_train(overrides, root, name) for overrides, _, name in jobs]
+    console.print(f"  {label}: {len(seeds)} seed{'s' if len(seeds) > 1 else ''} in {time.perf_counter() - t0:.0f} s",
+                  highlight=False)
     grads = [s["train/grad_norm"] for r in runs for s in r["steps"] if "train/grad_norm" in s]
     kls = [s["mismatch/k3_kl"] for r in runs for s in r["steps"] if "mismatch/k3_kl" in s]
     return {
@@ -189,10 +208,10 @@ def _run(quick: bool, console: Console) -> dict[str, Any]:
                             quick, steps, root, console)
         # bf16 + TIS against fp32 on more seeds, paired by seed: SEEDS alone leave a difference of
         # success rates a few points wide to chance (96 episodes each with --quick)
-        more = tuple(s for s in PRECISION_SEEDS if s not in SEEDS)
-        fp32_more = _config_runs("fp32_more", base, quick, steps, root, console, seeds=more)
+        more = tuple(s for s in PRECISION_SEEDS[quick] if s not in SEEDS)
+        fp32_more = _config_runs("fp32_more", base, quick, steps, root, console, seeds=more, workers=PRECISION_WORKERS)
         bf16_more = _config_runs("bf16_tis_more", [*base, "engine.weights_dtype=bfloat16", "train.correction.mode=tis"],
-                                 quick, steps, root, console, seeds=more)
+                                 quick, steps, root, console, seeds=more, workers=PRECISION_WORKERS)
     for label, r in results.items():
         out[f"success_{label}"] = None if r is None else round(r["success"], 4)
         out[f"gradnorm_p99_{label}"] = None if r is None or r["gradnorm_p99"] is None else round(r["gradnorm_p99"], 4)

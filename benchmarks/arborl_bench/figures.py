@@ -88,7 +88,7 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("success_rtg", "success reward-to-go", "frac", "credit assignment"),
         _f("success_ipa", "success IPA", "frac", "credit assignment"),
         _f("bf16_rollout_tokens_per_s_ratio", "bf16 vs fp32 tokens/s", "x", "credit assignment"),
-        _f("success_bf16_tis_minus_fp32", "success bf16+TIS − fp32 (12 seeds, paired)", "frac", "credit assignment"),
+        _f("success_bf16_tis_minus_fp32", "success bf16+TIS − fp32 (paired by seed)", "frac", "credit assignment"),
         _f("int8_rollout_tokens_per_s_ratio", "int8 vs fp32 tokens/s", "x", "credit assignment"),
     ],
     "parallel": [
