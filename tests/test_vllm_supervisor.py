@@ -67,6 +67,52 @@ def test_a_killed_server_is_restarted_until_max_restarts(tmp_path):
         srv.stop()
 
 
+# vLLM's shape: the server and an engine child of its process group each hold a multiprocessing
+# shared-memory segment (vLLM's message queues) and print its name
+SHM_SERVER = SERVER.replace("print(\"fake server starting\", flush=True)", """
+import subprocess
+from multiprocessing import shared_memory
+own = shared_memory.SharedMemory(create=True, size=1 << 20)
+child = subprocess.Popen([sys.executable, "-c", "from multiprocessing import shared_memory; import time; "
+                          "s = shared_memory.SharedMemory(create=True, size=1 << 20); print('shm', s.name, flush=True); "
+                          "time.sleep(600)"])
+print("shm", own.name, flush=True)
+""")
+
+
+def shm_in_log(tmp_path, count: int) -> list[str]:
+    def names():
+        return [line.split()[1].lstrip("/") for line in (tmp_path / "server.log").read_text().splitlines()
+                if line.startswith("shm ")]
+    wait_for(lambda: len(names()) >= count)
+    return names()
+
+
+def test_shared_memory_a_killed_or_stopped_server_leaves_is_removed_and_others_stay(tmp_path):
+    from arborl.engine.backends.orphan_shm import SHM
+
+    srv = make(tmp_path, SHM_SERVER, max_restarts=1)
+    mine, held = SHM / f"psm_arborl_test_{os.getpid()}", None
+    srv.start()
+    try:
+        first = shm_in_log(tmp_path, 2)
+        assert all((SHM / n).exists() for n in first)
+        held = open(mine, "wb")  # noqa: SIM115 - another program's segment, made meanwhile and open: it stays
+        os.killpg(srv.pid, signal.SIGKILL)  # as a crash: nothing of the group unlinks anything
+        wait_for(lambda: srv.restarts == 1 and srv.ready)
+        assert not any((SHM / n).exists() for n in first)
+        second = shm_in_log(tmp_path, 4)[2:]
+        assert all((SHM / n).exists() for n in second)
+    finally:
+        srv.stop()
+        survived = mine.exists()
+        if held is not None:
+            held.close()
+        mine.unlink(missing_ok=True)
+    assert not any((SHM / n).exists() for n in second)  # stopped: its SIGTERM unlinked nothing either
+    assert survived
+
+
 def test_a_server_that_never_answers_fails_after_the_startup_timeout(tmp_path):
     srv = make(tmp_path, SILENT, timeout=2.0)
     t0 = time.monotonic()

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from arborl.engine.backends.base import BackendError, ServerUnavailableError
+from arborl.engine.backends.orphan_shm import remove_orphans, shm_names
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class ServerProcess:
         self._stopping = False
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self._shm_before: set[str] = set()  # /dev/shm's multiprocessing files before the current server started
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +128,7 @@ class ServerProcess:
             log.info("starting %s: %s", self.name, " ".join(argv))
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+            self._shm_before = shm_names()
             try:
                 self._proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True,
@@ -162,6 +165,9 @@ class ServerProcess:
             proc = self._proc
             if proc is not None and proc.poll() is not None and not self._stopping:
                 self._ready.clear()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # what the dead server left running in its group
+                self._remove_shm(proc.pid)
                 if self.restarts >= self.max_restarts:
                     self.failure = (f"it died (exit code {proc.returncode}) and was restarted {self.restarts} times "
                                     f"already (max_restarts); its log: {self.log_path}")
@@ -189,7 +195,7 @@ class ServerProcess:
             try:
                 os.killpg(proc.pid, sig)  # the server and its engine/worker children
             except ProcessLookupError:
-                return
+                break
             try:
                 proc.wait(timeout=wait)
                 break
@@ -197,3 +203,11 @@ class ServerProcess:
                 continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # children the server left behind
+        self._remove_shm(proc.pid)
+
+    def _remove_shm(self, pgid: int) -> None:
+        """Unlink the shared memory the server's dead group left in /dev/shm (``orphan_shm``)."""
+        removed = remove_orphans(pgid, self._shm_before)
+        if removed:
+            log.info("%s server: removed %d shared-memory files its processes left in /dev/shm: %s",
+                     self.name, len(removed), ", ".join(removed))
