@@ -75,7 +75,7 @@ def remove_orphans(pgid: int, before: set[str], *, root: Path = SHM, wait_s: flo
         return []
     removed = []
     for name in sorted(new - in_use(root)):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's (sticky /dev/shm): theirs
             (root / name).unlink()
             removed.append(name)
     return removed
