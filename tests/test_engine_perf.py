@@ -163,6 +163,13 @@ def test_the_roofline_counts_the_bytes_and_multiply_adds_a_decode_step_streams()
         assert f["weight_mb"] == round(4 * linear_params / 1e6, 1)  # 16-column panels: no padding at 64-wide
         mem_ms, gemm_ms = 4 * linear_params / 10e9 * 1e3, 2 * b * linear_params / 100e9 * 1e3
         assert f["limit_ms"] == round(max(mem_ms, gemm_ms), 2)
+        # the attention's read: 2 layers x K and V x b rows x 2 kv heads x (8 + 1 + 2 // 2) keys x 16 dims x 4 bytes
+        kv_bytes = 2 * 2 * b * 2 * 10 * 16 * 4
+        assert f["kv_mb"] == round(kv_bytes / 1e6, 3)
+        with_kv = f["fraction_of_limit"] * (max(mem_ms, gemm_ms) + kv_bytes / 10e9 * 1e3) / max(mem_ms, gemm_ms)
+        # both fractions are rounded to 3 decimals: within 0.002 of each other's relation
+        assert f["fraction_of_limit_with_kv"] >= f["fraction_of_limit"]
+        assert f["fraction_of_limit_with_kv"] == pytest.approx(with_kv, abs=0.002)
     if cpu_has_bf16() and cpu_kernels.has_bf16():
         bf16 = decode_roofline(to_serving_dtype(copy.deepcopy(model), "bfloat16"), limits, (4,), bf16=True, context=8, steps=2)
         assert bf16[4]["weight_mb"] == round(2 * linear_params / 1e6, 1)
