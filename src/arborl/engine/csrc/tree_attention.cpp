@@ -101,32 +101,6 @@ ARBORL_TARGET_AVX2 void scores_avx2(const float* q, const T* kbase, const int64_
   for (; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
 }
 
-// 8 keys at a time, 16 lanes of d each; the 8 x 16 partial sums fold to 8 x 8 (lane i + lane i+8),
-// then the AVX2 reduction tree
-template <typename T>
-ARBORL_TARGET_AVX512 void scores_avx512(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D,
-                                        float scale, float* scores) {
-  int64_t j = 0;
-  if (D % 16 == 0) {
-    for (; j + 8 <= L; j += 8) {
-      __m512 a[8];
-      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(kbase + keys[j + u] * D + d), a[u]);
-      }
-      __m256 f[8];
-      for (int u = 0; u < 8; ++u) f[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), _mm512_extractf32x8_ps(a[u], 1));
-      const __m256 h01 = _mm256_hadd_ps(f[0], f[1]), h23 = _mm256_hadd_ps(f[2], f[3]);
-      const __m256 h45 = _mm256_hadd_ps(f[4], f[5]), h67 = _mm256_hadd_ps(f[6], f[7]);
-      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-      const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-      _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
-    }
-  }
-  for (; j < L; ++j) scores[j] = dot(q, kbase + keys[j] * D, D) * scale;
-}
-
 // The accumulator of N*8 floats stays in registers.
 template <int N, typename T>
 ARBORL_TARGET_AVX2 void weighted_sum_avx2(const float* p, const T* vbase, const int64_t* keys, int64_t L, float* acc) {
@@ -140,19 +114,6 @@ ARBORL_TARGET_AVX2 void weighted_sum_avx2(const float* p, const T* vbase, const 
   for (int u = 0; u < N; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
 
-template <int N, typename T>
-ARBORL_TARGET_AVX512 void weighted_sum_avx512(const float* p, const T* vbase, const int64_t* keys, int64_t L,
-                                              float* acc) {
-  __m512 a[N];
-  for (int u = 0; u < N; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
-  for (int64_t j = 0; j < L; ++j) {
-    const __m512 w = _mm512_set1_ps(p[j]);
-    const T* v = vbase + keys[j] * (16 * N);
-    for (int u = 0; u < N; ++u) a[u] = _mm512_fmadd_ps(w, load16(v + 16 * u), a[u]);
-  }
-  for (int u = 0; u < N; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
-}
-
 // every cache line of one cache row of D values, into L2 (a hint: never faults). A decode step reads
 // every slot's whole cache (SmolLM2, 32 rows x ~100 keys: 159 MB in float32) in runs of a few KB that
 // the hardware prefetchers barely start on: fetching the value rows during the scores and the next
@@ -164,9 +125,10 @@ inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
-// The G query heads that share a KV head, over one pass of its keys: 8 key rows at a time (a bf16
-// block widened once into ``wide``, exactly as load16 widens it), each head's scores of the block
-// summed as scores_avx512 sums them; so the scores are bitwise scores_avx512's, head by head.
+// The AVX-512 path's scores, for the G query heads that share a KV head in one pass over its keys:
+// 8 key rows at a time (a bf16 block widened once into ``wide``, exactly as load16 widens it); per
+// head, 16 lanes of d per key, the 8 x 16 partial sums folded to 8 x 8 (lane i + lane i+8), then the
+// AVX2 reduction tree. A head's scores do not depend on G or on the other heads.
 template <typename T>
 ARBORL_TARGET_AVX512 void scores_heads_avx512(const float* q, int64_t G, const T* kbase, const int64_t* keys, int64_t L,
                                               int64_t D, float scale, float* scores, float* wide, const T* vbase) {
@@ -206,8 +168,9 @@ ARBORL_TARGET_AVX512 void scores_heads_avx512(const float* q, int64_t G, const T
     for (int64_t h = 0; h < G; ++h) scores[h * L + j] = dot(q + h * D, kbase + keys[j] * D, D) * scale;
 }
 
-// acc[h, :16N] += sum_j p[h, j] * V[keys[j]] for H heads in one pass over V: each value row loaded
-// (and widened) once for the H heads; every element still one fused multiply-add chain over j in order
+// The AVX-512 path's weighted sum: acc[h, :16N] += sum_j p[h, j] * V[keys[j]] for H heads in one pass
+// over V, each value row loaded (and widened) once for the H heads, every element one fused
+// multiply-add chain over j in order (bitwise the scalar and AVX2 paths)
 template <int N, int H, typename T>
 ARBORL_TARGET_AVX512 void weighted_sum_heads_avx512(const float* p, int64_t L, const T* vbase, const int64_t* keys,
                                                     float* acc, const T* next, int64_t next_rows) {
@@ -264,7 +227,6 @@ template <typename T>
 inline void scores_row(const float* q, const T* kbase, const int64_t* keys, int64_t L, int64_t D, float scale,
                        float* scores, int level) {
 #ifdef ARBORL_X86
-  if (level >= arborl::kAvx512) return scores_avx512(q, kbase, keys, L, D, scale, scores);
   if (level >= arborl::kAvx2) return scores_avx2(q, kbase, keys, L, D, scale, scores);
 #endif
   scores_scalar(q, kbase, keys, L, D, scale, scores);
@@ -274,13 +236,6 @@ template <typename T>
 inline void weighted_sum(const float* p, const T* vbase, const int64_t* keys, int64_t L, int64_t D, float* acc,
                          int level) {
 #ifdef ARBORL_X86
-  if (level >= arborl::kAvx512) switch (D) {
-      case 64: return weighted_sum_avx512<4, T>(p, vbase, keys, L, acc);
-      case 128: return weighted_sum_avx512<8, T>(p, vbase, keys, L, acc);
-      case 32: return weighted_sum_avx512<2, T>(p, vbase, keys, L, acc);
-      case 96: return weighted_sum_avx512<6, T>(p, vbase, keys, L, acc);
-      default: break;
-    }
   if (level >= arborl::kAvx2) switch (D) {
       case 64: return weighted_sum_avx2<8, T>(p, vbase, keys, L, acc);
       case 128: return weighted_sum_avx2<16, T>(p, vbase, keys, L, acc);
