@@ -11,7 +11,8 @@
    here, and per batch size the decode step's time against its limit (the weight bytes a step
    streams / bandwidth, or its multiply-adds / peak, whichever is longer), as a fraction of the limit;
 6. the bf16 rollout (``engine.weights_dtype=bfloat16``) against float32: tokens/s at fixed lengths,
-   alternating rounds, and the mismatch (k3 KL of sampled tokens) against the float32 trainer's forward.
+   5 rounds of a float32 and a bf16 run back to back (the median of the rounds' ratios), and the
+   mismatch (k3 KL of sampled tokens) against the float32 trainer's forward.
 
 The kernels' instruction-set path (``engine.cpu_kernels.isa``) is in the JSON (``isa``).
 """
@@ -294,23 +295,26 @@ def _mismatch_k3(loaded: LoadedModel, results) -> float:
 
 
 def bf16_rollout(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, *, rounds: int, console: Console) -> dict:
-    """``engine.weights_dtype=bfloat16`` against float32: fixed-length tokens/s, alternating rounds
-    (medians), and the mismatch of temperature-1 samples against the float32 forward."""
+    """``engine.weights_dtype=bfloat16`` against float32: fixed-length tokens/s in rounds of one run
+    each, back to back (float32 first in even rounds, bf16 first in odd ones); the ratio is the median
+    of the rounds' own ratios, so a machine that slows down between rounds moves both sides of a
+    ratio. And the mismatch of temperature-1 samples against the float32 forward."""
     if not cpu_has_bf16():
         return {"bf16": "skipped: this CPU has no bfloat16 dot products (AVX512-BF16 / AMX-BF16)"}
     bf16_model = to_serving_dtype(copy.deepcopy(loaded.model), "bfloat16")
     fp32, bf16 = [], []
     for r in range(rounds):
-        s, toks, _ = _run_engine(loaded, prompts, new_tokens, True)
-        fp32.append(sum(map(len, toks)) / s)
-        s, toks, _ = _run_engine(loaded, prompts, new_tokens, True, model=bf16_model)
-        bf16.append(sum(map(len, toks)) / s)
-        console.print(f"  bf16 rollout, round {r}: float32 {fp32[-1]:.1f} tok/s, bf16 {bf16[-1]:.1f} tok/s")
+        for model in ((None, bf16_model) if r % 2 == 0 else (bf16_model, None)):
+            s, toks, _ = _run_engine(loaded, prompts, new_tokens, True, model=model)
+            (fp32 if model is None else bf16).append(sum(map(len, toks)) / s)
+        console.print(f"  bf16 rollout, round {r}: float32 {fp32[-1]:.1f} tok/s, bf16 {bf16[-1]:.1f} tok/s "
+                      f"({bf16[-1] / fp32[-1]:.2f}x)")
     _, _, sampled = _run_engine(loaded, prompts[:8], new_tokens, True, model=bf16_model, temperature=1.0)
     _, _, sampled32 = _run_engine(loaded, prompts[:8], new_tokens, True, temperature=1.0)
     return {"bf16_tokens_per_s_fixed": round(statistics.median(bf16), 2),
             "fp32_tokens_per_s_fixed": round(statistics.median(fp32), 2),
-            "bf16_vs_fp32_tokens_per_s": round(statistics.median(bf16) / statistics.median(fp32), 3),
+            "bf16_vs_fp32_tokens_per_s": round(statistics.median(b / f for b, f in zip(bf16, fp32)), 3),
+            "bf16_vs_fp32_rounds": [round(b / f, 3) for b, f in zip(bf16, fp32)],
             "bf16_mismatch_k3_kl": _mismatch_k3(loaded, sampled),
             "fp32_mismatch_k3_kl": _mismatch_k3(loaded, sampled32)}
 
@@ -353,7 +357,7 @@ def run(quick: bool, console: Console) -> dict:
     caps = {"fixed": new_tokens, "natural": 96 if quick else 128}
     # three rounds even at --quick: the median of two is their mean, which one disturbed round moves
     vllm = vs_vllm(loaded, prompts, rounds=3, caps=caps, multiturn=mt, console=console)
-    bf16 = bf16_rollout(loaded, prompts, new_tokens, rounds=3, console=console)
+    bf16 = bf16_rollout(loaded, prompts, new_tokens, rounds=5, console=console)
     limits = machine_limits()
     batches = (1, 8, 32)
     roof = {"fp32": decode_roofline(loaded.model, limits, batches, bf16=False)}
