@@ -27,7 +27,8 @@
    160, full 48) of bf16+TIS success minus fp32 success with the same seed; those pairs run in two
    worker processes (``PRECISION_WORKERS``), the rest in this one.
 
-Quick: 4 steps per run, 3 seeds, 8 configurations (24 short runs); full: 12 steps and a 32-task eval.
+Quick: 4 steps per run, 3 seeds, 8 configurations (24 short runs), then the 2 x 157 precision pairs' runs
+(~10 min on 2 cores); full: 12 steps, a 32-task eval and 48 precision seeds.
 
 Every figure is a mean over seeds of this run; ``null`` where a knob is missing.
 """

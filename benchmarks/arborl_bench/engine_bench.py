@@ -309,12 +309,13 @@ def bf16_rollout(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int,
             (fp32 if model is None else bf16).append(sum(map(len, toks)) / s)
         console.print(f"  bf16 rollout, round {r}: float32 {fp32[-1]:.1f} tok/s, bf16 {bf16[-1]:.1f} tok/s "
                       f"({bf16[-1] / fp32[-1]:.2f}x)")
+    ratios = [b / f for b, f in zip(bf16, fp32)]
     _, _, sampled = _run_engine(loaded, prompts[:8], new_tokens, True, model=bf16_model, temperature=1.0)
     _, _, sampled32 = _run_engine(loaded, prompts[:8], new_tokens, True, temperature=1.0)
     return {"bf16_tokens_per_s_fixed": round(statistics.median(bf16), 2),
             "fp32_tokens_per_s_fixed": round(statistics.median(fp32), 2),
-            "bf16_vs_fp32_tokens_per_s": round(statistics.median(b / f for b, f in zip(bf16, fp32)), 3),
-            "bf16_vs_fp32_rounds": [round(b / f, 3) for b, f in zip(bf16, fp32)],
+            "bf16_vs_fp32_tokens_per_s": round(statistics.median(ratios), 3),
+            "bf16_vs_fp32_rounds": [round(x, 3) for x in ratios],
             "bf16_mismatch_k3_kl": _mismatch_k3(loaded, sampled),
             "fp32_mismatch_k3_kl": _mismatch_k3(loaded, sampled32)}
 
