@@ -133,10 +133,8 @@ def _python_for(uid: int) -> tuple[str, str] | None:
     return None
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a non-root user")
-def test_bwrap_contains_every_attempt_as_a_non_root_user():
-    """The whole list, run by ``python -m arborl_bench.escapes`` as an unprivileged uid (bwrap in a user
-    namespace, no uid pool): none gets out."""
+def _as_non_root(args: list[str]) -> dict:
+    """``python ARGS WORK_DIR`` run as ``NON_ROOT_UID`` in a fresh directory it owns: its last stdout line, as JSON."""
     found = _python_for(NON_ROOT_UID)
     if found is None:
         pytest.skip(f"no Python this machine's uid {NON_ROOT_UID} can run with the suite's packages")
@@ -144,16 +142,66 @@ def test_bwrap_contains_every_attempt_as_a_non_root_user():
     work = Path(tempfile.mkdtemp(prefix="arborl-escapes-nonroot-"))
     try:
         os.chown(work, NON_ROOT_UID, NON_ROOT_UID)
-        r = subprocess.run([*_as_user(NON_ROOT_UID), exe, "-m", "arborl_bench.escapes", str(work)],
+        r = subprocess.run([*_as_user(NON_ROOT_UID), exe, *args, str(work)],
                            env={"PATH": "/usr/bin:/bin", "HOME": str(work), "PYTHONPATH": path},
                            capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a non-root user")
+def test_bwrap_contains_every_attempt_as_a_non_root_user():
+    """The whole list, run by ``python -m arborl_bench.escapes`` as an unprivileged uid (bwrap in a user
+    namespace, no uid pool): none gets out."""
+    result = _as_non_root(["-m", "arborl_bench.escapes"])
     assert result["uid"] == NON_ROOT_UID and result["attempts"] == len(escapes.ESCAPES)
     assert result["escaped"] == [], result["details"]
 
+
+
+# as NON_ROOT_UID: 3x `processes` threads in the runtime's own process, then a command that forks all it can
+_CAP_PER_COMMAND = r"""
+import asyncio, json, sys, threading
+from pathlib import Path
+from arborl.config import EnvsConfig
+from arborl.envs import make_runtime
+
+work = Path(sys.argv[1])
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(48)]
+for t in threads:
+    t.start()
+fork = ("import os, time\nn = 0\ntry:\n    while n < 100:\n        if os.fork() == 0:\n"
+        "            time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)")
+
+
+async def main():
+    rt = make_runtime(EnvsConfig(runtime="bwrap", root_dir=str(work / "envs"), processes=16))
+    (work / "t").mkdir()
+    ws = await rt.prepare(work / "t", episode_id="cap")
+    try:
+        r = await rt.run(ws, ["python3", "-c", fork])
+    finally:
+        await rt.close(ws)
+    return {"returncode": r.returncode, "forked": r.stdout.strip(), "stderr": r.stderr[-500:]}
+
+try:
+    print(json.dumps(asyncio.run(main())))
+finally:
+    stop.set()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a non-root user")
+def test_as_a_non_root_user_the_process_cap_counts_the_command_not_the_users_threads():
+    """As another user the cap is per command: a trainer with more threads than ``processes`` still starts
+    its sandboxes (with the cap on bwrap the namespace itself failed: EAGAIN), and a fork loop in one still
+    stops below the cap."""
+    result = _as_non_root(["-c", _CAP_PER_COMMAND])
+    assert result["returncode"] == 0, result["stderr"]
+    assert 8 < int(result["forked"]) < 16
 
 # the checks are real: without a sandbox these attempts succeed (the harmful ones are never run there)
 SEEN_ESCAPING_LOCALLY = [

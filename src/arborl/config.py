@@ -739,7 +739,9 @@ class EnvsConfig(Section):
     wall_s: float = Field(30.0, gt=0, description="wall-clock limit of one command (seconds); its whole process tree is killed")
     cpu_s: int = Field(30, ge=1, description="CPU-time limit of one command's processes (seconds, RLIMIT_CPU)")
     memory_mb: int = Field(2048, ge=16, description="address-space limit per process (MiB, RLIMIT_AS)")
-    processes: int = Field(64, ge=4, description="most processes/threads one workspace's commands may have at once")
+    processes: int = Field(64, ge=4, description="most processes/threads one workspace's commands may have at once (bwrap as root: all its commands "
+        "together, on the workspace's uid; as another user: each command, in its own user namespace; not set by the "
+        "local runtime)")
     file_size_mb: int = Field(64, ge=1, description="largest file a command may write (MiB, RLIMIT_FSIZE)")
     disk_mb: int = Field(256, ge=1, description="most bytes a workspace may hold (MiB; a size-capped tmpfs when root)")
     tmp_mb: int = Field(64, ge=1, description="size of the sandbox's private /tmp (MiB, tmpfs)")

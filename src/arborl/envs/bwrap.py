@@ -4,9 +4,10 @@ Each command is its own ``bwrap`` process: a read-only system (/usr, the few /et
 the running Python), the workspace bound read-write at ``rollout.envs.workspace_path`` (the only writable place
 besides a small private /tmp), its own PID, network (loopback only), IPC and UTS namespaces, a new
 session, and death with its parent. As root the command runs as the workspace's own unprivileged uid
-(``setpriv``, all capabilities dropped, no new privileges) so RLIMIT_NPROC caps its processes; as another
-user bubblewrap's user namespace does the same. Limits (CPU, address space, file size, processes) are set
-by ``prlimit`` on bwrap and inherited. When bwrap exits, its PID namespace goes, and with it every
+(``setpriv``, all capabilities dropped, no new privileges) so RLIMIT_NPROC caps that workspace's processes;
+as another user each command has its own user namespace, and the cap, set inside it, counts only that
+command's processes (never the trainer's threads or another sandbox's). CPU time, address space and file
+size are set by ``prlimit`` on bwrap and inherited; the process cap by ``prlimit`` inside. When bwrap exits, its PID namespace goes, and with it every
 process the command started (``setsid``, daemons): nothing outlives a command.
 
 The kernel's shared state is closed as container runtimes close it: a seccomp filter (``envs/seccomp.py``,
@@ -230,7 +231,11 @@ class BwrapRuntime(HostRuntime):
         if isinstance(uid, int):
             a += ["/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--inh-caps=-all",
                   "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
-        return a + argv
+        # RLIMIT_NPROC set here, inside, not on bwrap: as another user, the limit bwrap holds when it makes
+        # the user namespace becomes that namespace's cap on the whole uid (the trainer's own threads, every
+        # other sandbox, zombies the host has not reaped yet), while one set inside counts only this
+        # namespace's processes. As root it binds the workspace's uid alike.
+        return a + ["/usr/bin/prlimit", f"--nproc={self.limits.processes}:{self.limits.processes}", "--", *argv]
 
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         path = "/usr/local/bin:/usr/bin:/bin"
@@ -256,7 +261,7 @@ class BwrapRuntime(HostRuntime):
             if filter_fd is not None:
                 sandbox[1:1] = ["--seccomp", str(filter_fd)]
             res = await run_process(
-                rlimit_prefix(self.limits, nproc=True) + sandbox,
+                rlimit_prefix(self.limits) + sandbox,
                 cwd=ws.path,
                 env=self._env(env),
                 stdin=stdin,

@@ -67,7 +67,7 @@ class LocalRuntime(HostRuntime):
         full_env.update(env or {})
         full_env["POSIXLY_CORRECT"] = "1"  # prlimit's option parsing stops at the command
         # RLIMIT_NPROC would count every process of this user, not the command's: left out here
-        argv_full = rlimit_prefix(self.limits, nproc=False) + ["env", "-u", "POSIXLY_CORRECT", *argv]
+        argv_full = rlimit_prefix(self.limits) + ["env", "-u", "POSIXLY_CORRECT", *argv]
         res = await run_process(
             argv_full,
             cwd=ws.path,

@@ -36,21 +36,19 @@ def check_argv(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def rlimit_prefix(limits: Limits, *, nproc: bool) -> list[str]:
-    """``prlimit`` options that set ``limits`` on the process it then executes (inherited by children).
+def rlimit_prefix(limits: Limits) -> list[str]:
+    """``prlimit`` options that set ``limits`` (all but the process cap, which counts a whole uid here: the
+    bwrap runtime sets it inside its sandbox) on the process it then executes, inherited by children.
 
     The caller runs it with POSIXLY_CORRECT set so option parsing stops at the command's name."""
     mb = 1024 * 1024
-    out = [
+    return [
         "prlimit",
         f"--cpu={limits.cpu_s}:{limits.cpu_s}",
         f"--as={limits.memory_mb * mb}:{limits.memory_mb * mb}",
         f"--fsize={limits.file_size_mb * mb}:{limits.file_size_mb * mb}",
         "--core=0:0",
     ]
-    if nproc:
-        out.append(f"--nproc={limits.processes}:{limits.processes}")
-    return out
 
 
 async def run_process(
