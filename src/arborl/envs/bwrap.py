@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from arborl.config import EnvsConfig
 from arborl.envs.base import ENV_RUNTIMES, CommandResult, EnvError, InfraError, SandboxUnavailableError, Workspace
 from arborl.envs.host import HostRuntime
 from arborl.envs.proc import rlimit_prefix, run_process
+from arborl.envs.reaper import reaper_path
 from arborl.envs.seccomp import program as seccomp_program
 from arborl.envs.seccomp import program_fd as seccomp_fd
 from arborl.envs.workspace import copy_tree, remove_tree
@@ -58,14 +60,14 @@ _FIX = (
 
 
 @lru_cache(maxsize=None)
-def check_bwrap(bwrap: str) -> str:
-    """The bwrap executable, once it has started a minimal sandbox here (cached); else
-    SandboxUnavailableError saying how to fix it."""
+def check_bwrap(bwrap: str, reaper: str | None = None) -> str:
+    """The bwrap executable, once it has started a minimal sandbox here (cached; under ``reaper`` when
+    given, so the probe's sandbox init is reaped too); else SandboxUnavailableError saying how to fix it."""
     path = shutil.which(bwrap)
     if path is None:
         raise SandboxUnavailableError(f"bubblewrap ({bwrap!r}) is not installed: {_FIX}")
     user = [] if os.geteuid() == 0 else ["--unshare-user"]
-    probe = [path, "--ro-bind", "/usr", "/usr", *_system_links(), "--proc", "/proc", "--dev", "/dev",
+    probe = ([reaper] if reaper else []) + [path, "--ro-bind", "/usr", "/usr", *_system_links(), "--proc", "/proc", "--dev", "/dev",
              "--unshare-pid", "--unshare-net", *user, "--die-with-parent", "--", "true"]  # fmt: skip
     try:
         r = subprocess.run(probe, capture_output=True, text=True, timeout=30)
@@ -175,7 +177,8 @@ class BwrapRuntime(HostRuntime):
 
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         super().__init__(cfg)
-        self.bwrap = check_bwrap(self.cfg.bwrap_path)
+        self.reaper = reaper_path(_mkroot(self.root))  # None without a C compiler (logged)
+        self.bwrap = check_bwrap(self.cfg.bwrap_path, self.reaper)
         self.drop_uid = self.is_root
         self.etc = build_etc(self.root, self.cfg)
         if self.cfg.seccomp:
@@ -261,7 +264,7 @@ class BwrapRuntime(HostRuntime):
             if filter_fd is not None:
                 sandbox[1:1] = ["--seccomp", str(filter_fd)]
             res = await run_process(
-                rlimit_prefix(self.limits) + sandbox,
+                ([self.reaper] if self.reaper else []) + rlimit_prefix(self.limits) + sandbox,
                 cwd=ws.path,
                 env=self._env(env),
                 stdin=stdin,
@@ -269,6 +272,8 @@ class BwrapRuntime(HostRuntime):
                 output_bytes=self.cfg.output_kb * 1024,
                 shown_argv=argv,
                 pass_fds=(status_w,) if filter_fd is None else (status_w, filter_fd),
+                # the reaper, on SIGTERM, kills bwrap and reaps the sandbox's init before it exits
+                kill_signal=signal.SIGTERM if self.reaper else signal.SIGKILL,
             )
             os.set_blocking(status_r, False)
             try:

@@ -17,6 +17,7 @@ from arborl.envs.base import CommandResult, EnvError, Limits
 
 _READ = 65536
 _DRAIN_AFTER_KILL_S = 1.0  # a process that escaped the group may hold the pipes open: stop waiting
+_STOP_GRACE_S = 5.0  # after a kill_signal other than SIGKILL, before the group's SIGKILL
 
 
 def check_argv(argv: Sequence[str]) -> list[str]:
@@ -61,8 +62,11 @@ async def run_process(
     output_bytes: int,
     shown_argv: list[str],
     pass_fds: Sequence[int] = (),
+    kill_signal: int = signal.SIGKILL,
 ) -> CommandResult:
-    """Run ``argv`` in its own session; past ``wall_s`` or ``output_bytes`` the whole group is SIGKILLed."""
+    """Run ``argv`` in its own session; past ``wall_s`` or ``output_bytes`` the whole group gets
+    ``kill_signal`` (SIGKILL: a program below that stops what it runs on SIGTERM gets it instead), and
+    SIGKILL if it is still there ``_STOP_GRACE_S`` later."""
     t0 = time.perf_counter()
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -83,13 +87,20 @@ async def run_process(
     total = [0]
     killed: list[str] = []
 
-    def kill(reason: str) -> None:
+    def kill(reason: str, sig: int = kill_signal) -> None:
         if not killed:
             killed.append(reason)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    async def stopped() -> None:
+        try:
+            await asyncio.wait_for(proc.wait(), _STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            kill(killed[0], signal.SIGKILL)
+            await proc.wait()
 
     async def pump(stream: asyncio.StreamReader, buf: bytearray) -> None:
         while chunk := await stream.read(_READ):
@@ -117,10 +128,10 @@ async def run_process(
         await asyncio.wait_for(proc.wait(), wall_s)
     except asyncio.TimeoutError:
         kill("timeout")
-        await proc.wait()
+        await stopped()
     except BaseException:  # cancelled: never leave the tree running
         kill("cancelled")
-        await proc.wait()
+        await stopped()
         raise
     finally:
         try:
