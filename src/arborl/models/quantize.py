@@ -1,5 +1,5 @@
 r"""Low-precision serving copies of the policy (I5): the engines serve the policy in bfloat16, int8
-weight-only (CPU) or FP8 e4m3 weight-only (CUDA GPUs that have FP8), while the trainer keeps its fp32
+(CPU) or FP8 e4m3 weight-only (CUDA GPUs that have FP8), while the trainer keeps its fp32
 weights. ``engine.weights_dtype`` picks one; every weight update the trainer publishes is converted on
 arrival (:func:`load_serving_weights`). The gap between the two policies is what the rollout-mismatch
 metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IcePop) corrects.
@@ -15,6 +15,12 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
   Linear (``torch.ao.nn.quantized.dynamic.Linear``: int8 weights, activations quantised per batch,
   int8 GEMM on CPU through fbgemm / oneDNN). Weights are quantised per output channel, symmetric:
   scale_o = max_i |W_oi| / 127, W_q = round(W / scale_o). Embeddings and norms stay fp32. CPU only.
+  Since one activation scale covers the whole batch, a request's log-probs (and so its sampled tokens)
+  depend on the other requests in its batch: int8 rollouts are not batch-invariant, unlike float32 and
+  bf16 (whose row kernel rounds each row alone). The log-probs recorded are still those of the tokens as
+  sampled, which is what the corrections need. (Weight-only int8 panels in the row kernel, multiplied in
+  float32, were measured as fast as float32 except on the LM head; a per-row activation scale with int32
+  sums would be invariant and fast: not built.)
 * ``float8_e4m3``: every ``nn.Linear`` becomes :class:`Fp8Linear`: e4m3 weights with a per-output-channel
   scale (max |W_o| / 448), and on a CUDA GPU of compute capability >= 8.9 a ``torch._scaled_mm`` FP8
   GEMM (activations quantised per tensor). Elsewhere serving refuses it with the reason;
