@@ -18,9 +18,11 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
   Since one activation scale covers the whole batch, a request's log-probs (and so its sampled tokens)
   depend on the other requests in its batch: int8 rollouts are not batch-invariant, unlike float32 and
   bf16 (whose row kernel rounds each row alone). The log-probs recorded are still those of the tokens as
-  sampled, which is what the corrections need. (Weight-only int8 panels in the row kernel, multiplied in
-  float32, were measured as fast as float32 except on the LM head; a per-row activation scale with int32
-  sums would be invariant and fast: not built.)
+  sampled, which is what the corrections need. Two invariant designs were measured and not kept: int8
+  weight panels in the row kernel multiplied in float32 (as fast as float32 except on the LM head, 3.1x
+  at one row), and a scale per activation row with exact int32 sums (``torch._int_mm``), whose dozen
+  extra torch ops per Linear made SmolLM2's decode 0.89x float32 (this mode: 1.63x). Fused into one
+  kernel, the second would be invariant and fast.
 * ``float8_e4m3``: every ``nn.Linear`` becomes :class:`Fp8Linear`: e4m3 weights with a per-output-channel
   scale (max |W_o| / 448), and on a CUDA GPU of compute capability >= 8.9 a ``torch._scaled_mm`` FP8
   GEMM (activations quantised per tensor). Elsewhere serving refuses it with the reason;
