@@ -4,9 +4,11 @@ orphans (a trainer as a container's pid 1) collects no zombies."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,26 @@ def test_the_reaper_passes_the_programs_exit_on(tmp_path):
     # what the program left running in the background (its output elsewhere) is waited for, not left behind
     subprocess.run([reaper, "sh", "-c", f"(sleep 0.3; touch {tmp_path / 'done'}) >/dev/null 2>&1 &"], check=True)
     assert (tmp_path / "done").exists()
+
+
+def test_a_reaper_another_user_put_there_is_never_run(tmp_path):
+    """The reaper runs outside the sandbox (as root where the job is root): a file of its name that this
+    user did not build, or that others can write, is built over."""
+    (tmp_path / "probe").mkdir()
+    first = reaper_path(tmp_path / "probe")
+    if first is None:
+        pytest.skip("no C compiler here")
+    built = Path(first).name
+    for uid, mode in ((65534, 0o755), (os.geteuid(), 0o777)):
+        root = tmp_path / f"root-{uid}-{mode:o}"
+        root.mkdir()
+        planted = root / built
+        planted.write_text("#!/bin/sh\necho planted\n")
+        os.chmod(planted, mode)
+        if uid != os.geteuid():
+            if os.geteuid() != 0:
+                continue
+            os.chown(planted, uid, uid)
+        got = reaper_path(root)
+        assert got == str(planted) and os.stat(got).st_uid == os.geteuid() and not os.stat(got).st_mode & 0o022
+        assert "planted" not in subprocess.run([got, "true"], capture_output=True, text=True).stdout

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +29,7 @@ def reaper_path(root: Path) -> str | None:
     """The built reaper under ``root`` (built now if missing), or None where no C compiler can build it."""
     src = SOURCE.read_bytes()
     out = root / f".reaper-{hashlib.sha256(src).hexdigest()[:16]}"
-    if os.access(out, os.X_OK):
+    if _ours(out):
         return str(out)
     compiler = next((c for c in _COMPILERS if shutil.which(c)), None)
     if compiler is None:
@@ -47,6 +48,16 @@ def reaper_path(root: Path) -> str | None:
     os.chmod(tmp, 0o755)
     os.replace(tmp, out)  # atomic: a process running the old file keeps it
     return str(out)
+
+
+def _ours(path: Path) -> bool:
+    """An executable this user built: never one another user put there (it runs outside the sandbox,
+    as root where the job runs as root)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 and bool(st.st_mode & 0o100)
 
 
 @lru_cache(maxsize=None)
