@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from arborl_bench.parallel_bench import _rel, workload
+from arborl_bench.parallel_bench import rel_diff, workload
 from arborl.config import ModelConfig, TrainConfig
 from arborl.models import load_model
 from arborl.train.parallel import full_grads, full_params, single_state_bytes
@@ -75,9 +75,9 @@ def main() -> int:
             m = group.train_step(samples)
             loss_diff = max(loss_diff, abs(m["loss/total"] - ref_m[step]["loss/total"]) / abs(ref_m[step]["loss/total"]))
             g = {k: v.cpu() for k, v in group.run(full_grads)[0].items()}
-            grad_diff = max(grad_diff, _rel(g, ref_g[step]))
+            grad_diff = max(grad_diff, rel_diff(g, ref_g[step]))
             out.setdefault("step_s", []).append(round(m["train/step_s"], 3))
-        out["param_max_rel_diff"] = _rel({k: v.cpu() for k, v in group.run(full_params)[0].items()}, ref_p)
+        out["param_max_rel_diff"] = rel_diff({k: v.cpu() for k, v in group.run(full_params)[0].items()}, ref_p)
         rank_bytes = [b["total"] for b in group.state_bytes()]
         t0 = time.perf_counter()
         streamed: dict[str, torch.Tensor] = {}

@@ -24,11 +24,11 @@ from arborl.train.ranks import RankGroup
 from arborl.train.trainer import Trainer
 from arborl.train.tree_attention import flex_works, resolve_backend
 from arborl.types import GenerateRequest
+from arborl_bench.parallel_bench import rel_diff
 from helpers.parallel import alive, make_samples, tiny
 from helpers.tiny_run import tiny_cfg
 from test_engine import EOS, greedy, make_model, prompt
 from test_packing import assert_same, loss_and_grads, model_for
-from test_parallel_exact import _rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
 
@@ -116,5 +116,5 @@ def test_fsdp2_over_nccl_gives_the_one_process_update():
         group.close()
     assert got == pytest.approx(want, rel=1e-4)
     ref_params = {n: p.detach().cpu() for n, p in ref.model.named_parameters()}
-    assert _rel({n: p.cpu() for n, p in params.items()}, ref_params) <= 1e-4
+    assert rel_diff({n: p.cpu() for n, p in params.items()}, ref_params) <= 1e-4
     assert not alive(pids)

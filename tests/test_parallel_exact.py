@@ -11,6 +11,7 @@ from arborl.train.parallel import check_supported, full_grads, full_params
 from arborl.train.ranks import RankGroup
 from arborl.train.trainer import Trainer
 from arborl.types import InvalidRequestError
+from arborl_bench.parallel_bench import rel_diff
 from helpers.parallel import alive, make_samples, tiny
 
 
@@ -19,10 +20,6 @@ def _cfg(strategy: str, ranks: int, **kw) -> TrainConfig:
     base = dict(lr=1e-3, packing="tree", micro_batch_tokens=40, grad_clip=0.5)
     base.update(kw)
     return TrainConfig(**base, parallel={"ranks": ranks, "strategy": strategy})
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -44,11 +41,11 @@ def test_two_ranks_give_the_one_process_update(strategy):
             assert m["train/grad_norm"] == pytest.approx(ref_metrics[step]["train/grad_norm"], rel=1e-5)
             assert m["train/packed_tokens"] < m["train/flat_tokens"]  # tree packing is on, on the ranks too
             grads = group.run(full_grads)
-            assert _rel(grads[0], ref_grads[step]) <= 1e-5
-            assert _rel(grads[1], ref_grads[step]) <= 1e-5
+            assert rel_diff(grads[0], ref_grads[step]) <= 1e-5
+            assert rel_diff(grads[1], ref_grads[step]) <= 1e-5
         params = group.run(full_params)
         for rank_params in params:
-            assert _rel(rank_params, dict(ref.model.named_parameters())) <= 1e-5
+            assert rel_diff(rank_params, dict(ref.model.named_parameters())) <= 1e-5
         assert not torch.equal(params[0]["lm_head.weight"], dict(tiny().named_parameters())["lm_head.weight"])  # it trained
     finally:
         group.close()

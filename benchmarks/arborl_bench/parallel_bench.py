@@ -84,7 +84,8 @@ class SharesTrainer(Trainer):
         return StepPlan(micro, len(micro))
 
 
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference of any tensor of ``a`` from ``b``'s, relative to ``b``'s largest entry."""
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
 
 
@@ -154,7 +155,7 @@ def run(quick: bool, console: Console) -> dict:
         # (another summation order of the same gradient), against which the ranks' difference is read
         other = Trainer(smollm2(), TrainConfig(**{**base, "micro_batch_tokens": 256}))
         other.train_step(samples)
-        floor = _rel(full_grads(other), ref_grads[0])
+        floor = rel_diff(full_grads(other), ref_grads[0])
         del other
         # the same process over the ranks' own micro-batches (each rank's share, rank order)
         shares = SharesTrainer(smollm2(), TrainConfig(**base), 2)
@@ -174,12 +175,12 @@ def run(quick: bool, console: Console) -> dict:
         for step in range(STEPS):
             metrics.append(group.train_step(samples))
             grads = group.run(full_grads)[0]
-            by_step.append(_rel(grads, ref_grads[step]))
-            by_step_shares.append(_rel(grads, share_grads[step]))
+            by_step.append(rel_diff(grads, ref_grads[step]))
+            by_step_shares.append(rel_diff(grads, share_grads[step]))
             del grads
             console.print(f"  2 ranks    step {step + 1}: {metrics[-1]['train/step_s']:.2f} s")
         rank_params = group.run(full_params)[0]
-        param_diff, param_diff_shares = _rel(rank_params, ref_params), _rel(rank_params, share_params)
+        param_diff, param_diff_shares = rel_diff(rank_params, ref_params), rel_diff(rank_params, share_params)
         del rank_params
         rank_bytes = [b["total"] for b in group.state_bytes()]
         t0 = time.perf_counter()

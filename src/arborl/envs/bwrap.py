@@ -4,11 +4,13 @@ Each command is its own ``bwrap`` process: a read-only system (/usr, the few /et
 the running Python), the workspace bound read-write at ``rollout.envs.workspace_path`` (the only writable place
 besides a small private /tmp), its own PID, network (loopback only), IPC and UTS namespaces, a new
 session, and death with its parent. As root the command runs as the workspace's own unprivileged uid
-(``setpriv``, all capabilities dropped, no new privileges) so RLIMIT_NPROC caps that workspace's processes;
-as another user each command has its own user namespace, and the cap, set inside it, counts only that
-command's processes (never the trainer's threads or another sandbox's). CPU time, address space and file
-size are set by ``prlimit`` on bwrap and inherited; the process cap by ``prlimit`` inside. When bwrap exits, its PID namespace goes, and with it every
-process the command started (``setsid``, daemons): nothing outlives a command.
+(``setpriv``, all capabilities dropped, no new privileges) so RLIMIT_NPROC caps that workspace's
+processes; as another user each command has its own user namespace, and the cap, set inside it, counts
+only that command's processes (never the trainer's threads or another sandbox's). CPU time, address
+space and file size are set by ``prlimit`` on bwrap and inherited; the process cap by ``prlimit``
+inside. When bwrap exits, its PID namespace goes, and with it every process the command started
+(``setsid``, daemons): nothing outlives a command. Each command runs below a reaper (``envs/reaper.py``)
+that reaps the sandbox's init, which bwrap leaves behind.
 
 The kernel's shared state is closed as container runtimes close it: a seccomp filter (``envs/seccomp.py``,
 ``rollout.envs.seccomp``) refuses keyrings, ptrace, mounts, new namespaces, bpf, io_uring and the rest of

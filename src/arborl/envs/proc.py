@@ -65,8 +65,8 @@ async def run_process(
     kill_signal: int = signal.SIGKILL,
 ) -> CommandResult:
     """Run ``argv`` in its own session; past ``wall_s`` or ``output_bytes`` the whole group gets
-    ``kill_signal`` (SIGKILL: a program below that stops what it runs on SIGTERM gets it instead), and
-    SIGKILL if it is still there ``_STOP_GRACE_S`` later."""
+    ``kill_signal`` (SIGKILL; SIGTERM where ``argv`` is a supervisor that stops its tree on it, as the bwrap
+    runtime's reaper does), and SIGKILL if it is still there ``_STOP_GRACE_S`` later."""
     t0 = time.perf_counter()
     try:
         proc = await asyncio.create_subprocess_exec(
