@@ -12,9 +12,9 @@ from arborl.engine import LLMEngine
 from arborl.engine import cpu_kernels
 from arborl.engine.cpu_kernels import available as row_kernel_available
 from arborl.engine.model_runner import ModelRunner
-from arborl.engine.row_linear import row_linear, to_bf16_panels, to_panels
+from arborl.engine.row_linear import row_linear, to_bf16_panels, to_int8_panels, to_panels
 from arborl.models import tiny_llama
-from arborl.models.quantize import cpu_has_bf16
+from arborl.models.quantize import Int8Linear, cpu_has_bf16, int8_weight
 from arborl.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not row_kernel_available(), reason="arborl's CPU kernels did not build")
@@ -95,6 +95,42 @@ def test_bf16_panels_keep_a_rows_result_independent_of_the_other_rows():
         assert torch.equal(row_linear(x[:m], panels, 300), alone[:m])
 
 
+
+@pytest.mark.parametrize("n_out,k", [(37, 61), (960, 576), (576, 1536)])
+def test_int8_panels_compute_bitwise_the_int8_linear_on_every_path(n_out, k):
+    """Each row quantised with its own scale, exact int32 sums (VNNI's vpdpbusd, AVX2's 16-bit
+    multiply-adds, the scalar loop), both scales: bitwise quantize.Int8Linear's torch arithmetic,
+    with bias and residual, for each row count of a register block and beyond."""
+    g = torch.Generator().manual_seed(k)
+    mod = Int8Linear(torch.nn.Linear(k, n_out))
+    panels = to_int8_panels(mod.weight_int8)
+    assert panels.dtype == torch.uint8 and panels.shape == (-(-n_out // 16), -(-k // 4), 64)
+    for m in (1, 3, 4, 16, 17, 40):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4  # rows of different scale
+        x[0] = 0.0 if m > 3 else x[0]  # a zero row: zero plus the bias
+        res = torch.randn(m, n_out, generator=g)
+        want = mod(x)
+        for name in cpu_kernels.isas():
+            with cpu_kernels.forced_isa(name):
+                assert torch.equal(row_linear(x, panels, n_out, mod.bias, None, mod.weight_scale), want), (name, m)
+                assert torch.equal(row_linear(x, panels, n_out, mod.bias, res, mod.weight_scale), want + res), (name, m)
+        plain = x.double() @ (mod.weight_int8.double() * mod.weight_scale.double()[:, None]).T + mod.bias.double()
+        assert ((want.double() - plain).abs().max() / plain.abs().max()) < 0.03  # the rows' own quantisation
+
+
+def test_int8_panels_keep_a_rows_result_independent_of_the_other_rows():
+    g = torch.Generator().manual_seed(5)
+    q, scale = int8_weight(torch.randn(300, 703, generator=g))  # K not a multiple of 4, several chunks
+    panels = to_int8_panels(q)
+    x = torch.randn(40, 703, generator=g)
+    alone = torch.cat([row_linear(x[i : i + 1], panels, 300, None, None, scale) for i in range(40)])
+    for m in (2, 16, 17, 33, 40):
+        assert torch.equal(row_linear(x[:m], panels, 300, None, None, scale), alone[:m])
+    with pytest.raises(RuntimeError, match="int8 panels take a scale per output"):
+        row_linear(x, panels, 300)
+    with pytest.raises(RuntimeError, match="scales must hold 300 floats"):
+        row_linear(x, panels, 300, None, None, scale[:-1])
+
 def test_bad_shapes_are_refused_with_what_to_fix():
     panels = to_panels(torch.randn(32, 8))
     with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
@@ -162,6 +198,24 @@ def test_the_knob_routes_up_to_max_rows_to_the_kernel_and_larger_forwards_to_one
         assert calls(lambda: on.decode([1, 2, 3, 4], [0, 0, 0, 0])) == per_forward
         assert calls(lambda: on.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == per_forward
         assert calls(lambda: off.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == 0
+    # int8 panels take every row count too; with the kernel off the int8 Linears run as they are
+    import copy
+
+    from arborl.models.quantize import to_serving_dtype
+
+    served = to_serving_dtype(copy.deepcopy(model), "int8")
+    on = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=3)
+    off = ModelRunner(served, slots=4, max_len=64, packed=True, row_kernel_max_rows=0)
+    groups = on.linear.packed_groups()
+    assert len(groups) == 2 * layers + layers * 2 + 1  # q|k|v and gate|up fused, o and down, the LM head
+    assert all(p.panels.dtype == torch.uint8 and p.onednn is None for p in groups.values())
+    assert len(off.linear.packed_groups()) == 0
+    assert calls(lambda: on.prefill([(s, p, 0) for s, p in enumerate(prompts)])) == per_forward
+    assert calls(lambda: on.decode([1, 2, 3, 4], [5, 4, 6, 2])) == per_forward
+    off.prefill([(s, p, 0) for s, p in enumerate(prompts)])
+    off.decode([1, 2, 3, 4], [5, 4, 6, 2])
+    a, b = on.decode([7, 8, 9], [6, 5, 7]), off.decode([7, 8, 9], [6, 5, 7])
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()  # the same arithmetic (the rest of the forward aside)
 
 
 def test_with_the_kernel_a_sequences_log_probs_do_not_depend_on_its_batch():

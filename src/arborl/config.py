@@ -187,7 +187,7 @@ class EngineConfig(Section):
         description="precision of the built-in engines' copy of the policy (low-precision rollout, I5; the trainer keeps "
         "model.dtype): bfloat16 = on a CPU with AVX512-BF16 / AMX-BF16 bf16 Linear weights whose GEMMs run on the "
         "CPU's bf16 dot products and a bf16 KV cache where arborl's attention kernel reads it (float32 sums, norms and "
-        "log-probs; a CPU without them keeps float32 and logs why), on a GPU the whole model in bf16; int8 = torch's dynamic int8 Linears (CPU: int8 weights per output channel, activations quantised per batch, so a request's tokens depend on what else is in its batch; float32 and bf16 rollouts do not); float8_e4m3 = FP8 "
+        "log-probs; a CPU without them keeps float32 and logs why), on a GPU the whole model in bf16; int8 = int8 Linears (CPU: weights per output channel, each activation row with its own scale, exact int32 sums, so a request samples the same tokens alone or in any batch); float8_e4m3 = FP8 "
         "weights (CUDA, compute "
         "capability >= 8.9); weight updates are converted on arrival, mismatch/* metrics show the gap",
     )

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from arborl.engine.cpu_kernels import available as row_kernel_available, has_bf16
-from arborl.engine.row_linear import row_linear, to_bf16_panels, to_panels
-from arborl.models.quantize import Bf16Linear
+from arborl.engine.row_linear import row_linear, to_bf16_panels, to_int8_panels, to_panels
+from arborl.models.quantize import Bf16Linear, Int8Linear
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32
@@ -43,6 +43,7 @@ class PackedWeight(NamedTuple):
     bias: torch.Tensor | None
     sizes: list[int]
     panels: torch.Tensor | None
+    scales: torch.Tensor | None = None  # int8 panels' scale per output
 
 
 # projections that read the same input, fused into one GEMM (fewer, larger GEMMs pay at decode row counts)
@@ -54,7 +55,9 @@ class PackedLinears:
     weights of ``model``; a decoder layer's q/k/v and gate/up are packed side by side and run as one
     GEMM each. Other modules (quantised, adapters) run as they are. Up to ``row_kernel_max_rows`` rows
     run arborl's row kernel (``engine.row_linear``) instead of oneDNN (0: never). ``Bf16Linear``
-    weights (the CPU bf16 rollout) run there on bf16 dot products at every row count."""
+    weights (the CPU bf16 rollout) run there on bf16 dot products at every row count, and so do
+    ``Int8Linear`` weights (the int8 rollout) on int8 dot products; with the kernel off those run as
+    they are."""
 
     def __init__(self, model: nn.Module, row_kernel_max_rows: int = 0) -> None:
         self.model = model
@@ -78,11 +81,23 @@ class PackedLinears:
             for parent, names in _FUSED:
                 owner = getattr(layer, parent, None)
                 mods = tuple(getattr(owner, n, None) for n in names)
-                if all(m is not None and _plain(m) for m in mods):
+                if all(m is not None and _plain(m) for m in mods) or all(self._int8(m) for m in mods):
                     groups.append(mods)
                     fused.update(mods)
-        groups += [(m,) for m in self.model.modules() if _plain(m) and m not in fused]
-        self._packed = {mods: self._pack(mods) for mods in groups}
+        groups += [(m,) for m in self.model.modules() if (_plain(m) or self._int8(m)) and m not in fused]
+        self._packed = {mods: self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods) for mods in groups}
+
+    def _int8(self, m: nn.Module | None) -> bool:
+        """An int8 Linear the row kernel runs (at every row count); without the kernel it runs as it is."""
+        return isinstance(m, Int8Linear) and self.row_kernel_max_rows > 0
+
+    def _pack_int8(self, mods: tuple[nn.Module, ...]) -> PackedWeight:
+        weight = torch.cat([m.weight_int8 for m in mods])
+        bias = None
+        if any(m.bias is not None for m in mods):
+            bias = torch.cat([m.bias if m.bias is not None else m.weight_scale.new_zeros(m.out_features) for m in mods])
+        return PackedWeight(None, bias, [m.out_features for m in mods], to_int8_panels(weight),
+                            torch.cat([m.weight_scale for m in mods]))
 
     def _pack(self, mods: tuple[nn.Module, ...]) -> PackedWeight:
         weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
@@ -108,7 +123,7 @@ class PackedLinears:
         ``row_kernel_max_rows`` rows (bf16 panels: every row count), oneDNN above (its ``add`` post-op
         for the residual)."""
         if self.uses_panels(packed, x.shape[0]):
-            return row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual)
+            return row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual, packed.scales)
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed.onednn, packed.bias, "add")

@@ -10,6 +10,8 @@ logits are bitwise the same decoded alone, in a batch, or as a node of a draft t
 ``to_bf16_panels`` stores a weight in bfloat16 pairs for AVX512-BF16's dot product (the bf16 rollout,
 ``engine.weights_dtype=bfloat16`` on CPU): half the bytes per step and twice the multiply-adds per
 instruction; the rows are rounded to bfloat16 on the way in and every sum is float32.
+``to_int8_panels`` stores an int8 weight (``engine.weights_dtype=int8``) in quads for AVX512-VNNI's int8
+dot product: a quarter of the bytes; each row is quantised with its own scale and summed exactly.
 """
 
 from __future__ import annotations
@@ -44,8 +46,23 @@ def to_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+def to_int8_panels(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> uint8 [ceil(out / 16), ceil(in / 4), 64]: panel p, quad row k holds
+    W[16p + j, 4k + t] + 128 at 4j + t (``in`` padded with zero weights)."""
+    out, inp = weight_int8.shape
+    w = weight_int8.to(torch.int16) + 128
+    if inp % 4 or out % PANEL:
+        w = F.pad(w, (0, -inp % 4, 0, -out % PANEL), value=128)
+    p, k4 = w.shape[0] // PANEL, w.shape[1] // 4
+    panels = huge_zeros((p, k4, 4 * PANEL), torch.uint8)
+    panels.view(p, k4, PANEL, 4).copy_(w.view(p, PANEL, k4, 4).permute(0, 2, 1, 3))
+    return panels
+
+
 def row_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``residual + x @ W.T + bias`` for x [rows, in] with W given as ``to_panels(W)`` (float32) or
-    ``to_bf16_panels(W)`` (x rounded to bfloat16, float32 sums); [rows, n_out]."""
-    return torch.ops.arborl.row_linear(x, panels, n_out, bias, residual)
+               residual: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + x @ W.T + bias`` for x [rows, in] with W given as ``to_panels(W)`` (float32),
+    ``to_bf16_panels(W)`` (x rounded to bfloat16, float32 sums) or ``to_int8_panels(Q)`` with ``scales``
+    (quantize.Int8Linear's arithmetic: each row of x quantised to int8 with its own scale, exact int32
+    sums, times both scales); [rows, n_out]."""
+    return torch.ops.arborl.row_linear(x, panels, n_out, bias, residual, scales)

@@ -11,18 +11,16 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
   float32 sums); the rest (embeddings, norms, log-probs) stays float32. On a CPU
   without them bf16 GEMMs are no faster, so the serving copy stays float32 and a warning says so. On
   a GPU the whole model (and so the KV cache) is bf16.
-* ``int8``: every ``nn.Linear`` (projections, MLPs, LM head) becomes torch's dynamic-quantised int8
-  Linear (``torch.ao.nn.quantized.dynamic.Linear``: int8 weights, activations quantised per batch,
-  int8 GEMM on CPU through fbgemm / oneDNN). Weights are quantised per output channel, symmetric:
-  scale_o = max_i |W_oi| / 127, W_q = round(W / scale_o). Embeddings and norms stay fp32. CPU only.
-  Since one activation scale covers the whole batch, a request's log-probs (and so its sampled tokens)
-  depend on the other requests in its batch: int8 rollouts are not batch-invariant, unlike float32 and
-  bf16 (whose row kernel rounds each row alone). The log-probs recorded are still those of the tokens as
-  sampled, which is what the corrections need. Two invariant designs were measured and not kept: int8
-  weight panels in the row kernel multiplied in float32 (as fast as float32 except on the LM head, 3.1x
-  at one row), and a scale per activation row with exact int32 sums (``torch._int_mm``), whose dozen
-  extra torch ops per Linear made SmolLM2's decode 0.89x float32 (this mode: 1.63x). Fused into one
-  kernel, the second would be invariant and fast.
+* ``int8``: every ``nn.Linear`` (projections, MLPs, LM head) becomes an :class:`Int8Linear`: int8 weights
+  quantised per output channel, symmetric (scale_o = max_i |W_oi| / 127, W_q = round(W / scale_o)), and
+  each input row quantised the same way with its own scale (per token); their products are summed
+  exactly in int32 and scaled back: y = float(sum) * scale_row * scale_o. The engine runs it on its row
+  kernel (``engine/csrc/row_linear.cpp``: AVX512-VNNI's int8 dot products, else 16-bit multiply-adds)
+  at every row count; elsewhere ``forward`` computes the same numbers with torch ops. Exact sums and a
+  scale per row make a row's result independent of the other rows: a seeded request samples the same
+  tokens alone or in any batch, as in float32 and bf16. (torch's dynamic int8 Linear, used before, took
+  one activation scale per batch, so its rollouts depended on the batch.) Embeddings and norms stay
+  float32. CPU only.
 * ``float8_e4m3``: every ``nn.Linear`` becomes :class:`Fp8Linear`: e4m3 weights with a per-output-channel
   scale (max |W_o| / 448), and on a CUDA GPU of compute capability >= 8.9 a ``torch._scaled_mm`` FP8
   GEMM (activations quantised per tensor). Elsewhere serving refuses it with the reason;
@@ -32,14 +30,11 @@ metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IceP
 from __future__ import annotations
 
 import logging
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from arborl.types import ArborlError
 
@@ -56,29 +51,45 @@ class LowPrecisionError(ArborlError, ValueError):
 # ----------------------------------------------------------------------------- int8 weight-only
 
 
-@contextmanager
-def _quiet_qtensors():
-    """torch >= 2.10 warns that its quantised tensor type is deprecated (in favour of torchao); it is
-    what torch's int8 CPU GEMM takes, so the warning is expected here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        yield
-
-
-def int8_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [out, in] as a per-output-channel symmetric qint8 tensor (scale = max |w_o| / 127)."""
+def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], float32 scale [out]): per-output-channel symmetric, scale = max |w_o| / 127."""
     w = w.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-    zeros = torch.zeros(w.shape[0], dtype=torch.long)
-    with _quiet_qtensors():
-        return torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def to_int8_linear(linear: nn.Linear) -> DynamicInt8Linear:
-    with _quiet_qtensors():
-        q = DynamicInt8Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None, dtype=torch.qint8)
-    q.set_weight_bias(int8_weight(linear.weight), None if linear.bias is None else linear.bias.detach().float())
-    return q
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` [rows, in] as int8 with a float32 scale each [rows, 1] (max |x_r| / 127)."""
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """A Linear with int8 weights (a scale per output) that quantises each input row with its own scale
+    and sums the int8 products exactly in int32 (CPU)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w8, scale = int8_weight(linear.weight)
+        self.register_buffer("weight_int8", w8)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w8, scale = int8_weight(w)
+        self.weight_int8.copy_(w8)
+        self.weight_scale.copy_(scale)
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, row_scale = int8_rows(x.reshape(-1, shape[-1]).float())
+        y = torch._int_mm(xq, self.weight_int8.t()).float() * row_scale * self.weight_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
 # ----------------------------------------------------------------------------- bf16 weights on CPU
@@ -207,10 +218,10 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
         return model
     if weights_dtype == "int8":
         if device.type != "cpu":
-            raise LowPrecisionError("engine.weights_dtype=int8 is torch's CPU int8 GEMM: serve on the CPU "
+            raise LowPrecisionError("engine.weights_dtype=int8 runs oneDNN's CPU int8 GEMM: serve on the CPU "
                                     "(model.device=cpu), or use bfloat16 / float8_e4m3 on a GPU")
         model.float()
-        _replace_linears(model, to_int8_linear)
+        _replace_linears(model, Int8Linear)
         return model
     ok, why = fp8_available(device)
     if not ok:
@@ -227,7 +238,7 @@ def has_bf16_linears(model: nn.Module) -> bool:
 
 def is_low_precision(model: nn.Module) -> bool:
     """Whether the model holds converted (int8 / FP8 / CPU bf16) Linear modules."""
-    return any(isinstance(m, (DynamicInt8Linear, Fp8Linear, Bf16Linear)) for m in model.modules())
+    return any(isinstance(m, (Int8Linear, Fp8Linear, Bf16Linear)) for m in model.modules())
 
 
 @torch.no_grad()
@@ -240,7 +251,7 @@ def load_serving_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     quantised: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if isinstance(modules.get(prefix), (DynamicInt8Linear, Fp8Linear, Bf16Linear)) and leaf in ("weight", "bias"):
+        if isinstance(modules.get(prefix), (Int8Linear, Fp8Linear, Bf16Linear)) and leaf in ("weight", "bias"):
             quantised.setdefault(prefix, {})[leaf] = tensor
         elif name in params:
             if params[name].shape != tensor.shape:
@@ -257,8 +268,4 @@ def load_serving_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> No
         if tuple(w.shape) != (mod.out_features, mod.in_features):
             raise ArborlError(f"update_weights: {prefix}.weight has shape {tuple(w.shape)}, "
                               f"expected {(mod.out_features, mod.in_features)}")
-        if isinstance(mod, DynamicInt8Linear):
-            old_bias = mod.bias()
-            mod.set_weight_bias(int8_weight(w), b.detach().float() if b is not None else old_bias)
-        else:
-            mod.set_weight(w, b)
+        mod.set_weight(w, b)

@@ -14,6 +14,7 @@
 #define ARBORL_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define ARBORL_TARGET_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")))
 #define ARBORL_TARGET_AVX512BF16 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ARBORL_TARGET_AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #endif
 
 namespace arborl {
@@ -33,6 +34,17 @@ inline int cpu_isa() {
   if (avx2) return kAvx2;
 #endif
   return kScalar;
+}
+
+// AVX512-VNNI's int8 dot products (vpdpbusd), beside the chain above: a CPU may have them with or
+// without AVX512-BF16; the int8 row kernel takes them on the AVX-512 paths where the CPU has them
+inline bool cpu_has_vnni() {
+#ifdef ARBORL_X86
+  __builtin_cpu_init();
+  return cpu_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
 }
 
 // the path the kernels take now (one per process, shared by every kernel of the library)
