@@ -423,3 +423,26 @@ def test_tmp_stays_writable_with_binds_and_a_socket_below_it(tmp_path):
         sock_path.unlink(missing_ok=True)
         (d / "data.txt").unlink()
         d.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs another uid to own the directory")
+def test_a_root_dir_another_user_made_or_can_write_is_refused(tmp_path):
+    """rollout.envs.root_dir defaults to a fixed name in /tmp: one another local user made first (or a
+    link they put there, or one others can write) could plant what the job runs as root."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(EnvError, match=r"belongs to uid 65534, not this user \(0\).*only this user can write"):
+        _rt(tmp_path, root_dir=str(theirs))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(EnvError, match="can be written by others \\(mode 777\\)"):
+        make_runtime(EnvsConfig(runtime="local", root_dir=str(shared)))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(EnvError, match="is a link made by uid 65534"):
+        _rt(tmp_path, root_dir=str(link))
+    mine = _rt(tmp_path, root_dir=str(tmp_path / "made" / "here"))  # made where missing (0711 under the umask)
+    assert mine.root.is_dir() and not mine.root.stat().st_mode & 0o066

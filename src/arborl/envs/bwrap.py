@@ -179,7 +179,7 @@ class BwrapRuntime(HostRuntime):
 
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         super().__init__(cfg)
-        self.reaper = reaper_path(_mkroot(self.root))  # None without a C compiler (logged)
+        self.reaper = reaper_path(self.root)  # None without a C compiler (logged)
         self.bwrap = check_bwrap(self.cfg.bwrap_path, self.reaper)
         self.drop_uid = self.is_root
         self.etc = build_etc(self.root, self.cfg)

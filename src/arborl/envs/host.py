@@ -43,6 +43,26 @@ def limits_of(cfg: EnvsConfig) -> Limits:
     )
 
 
+def own_root(configured: str) -> Path:
+    """``rollout.envs.root_dir``, made if missing (0711) and resolved; an EnvError where it, or a link
+    at its name, belongs to another user or others can write to it. Its default sits in /tmp, where
+    any local user could make it first and then plant what this job runs or binds into sandboxes
+    (the reaper runs as this job's user, as root where the job is root)."""
+    path = Path(configured).expanduser()
+    me = os.geteuid()
+    fix = "remove it, or set rollout.envs.root_dir to a directory only this user can write"
+    if path.is_symlink() and os.lstat(path).st_uid != me:
+        raise EnvError(f"rollout.envs.root_dir {path} is a link made by uid {os.lstat(path).st_uid}: {fix}")
+    path.mkdir(parents=True, exist_ok=True, mode=0o711)
+    root = path.resolve()
+    st = os.stat(root)
+    if st.st_uid != me:
+        raise EnvError(f"rollout.envs.root_dir {root} belongs to uid {st.st_uid}, not this user ({me}): {fix}")
+    if st.st_mode & 0o022:
+        raise EnvError(f"rollout.envs.root_dir {root} can be written by others (mode {st.st_mode & 0o777:o}): {fix}")
+    return root
+
+
 class HostRuntime(abc.ABC):
     """Workspaces under ``cfg.root_dir``; subclasses implement ``_exec``."""
 
@@ -52,7 +72,7 @@ class HostRuntime(abc.ABC):
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         self.cfg = cfg or EnvsConfig()
         self.limits = limits_of(self.cfg)
-        self.root = Path(self.cfg.root_dir).expanduser().resolve()
+        self.root = own_root(self.cfg.root_dir)
         self.is_root = os.geteuid() == 0
         self.uids = UidPool(self.cfg.sandbox_uid_base, self.cfg.sandbox_uids)
         self._live: dict[str, Workspace] = {}
