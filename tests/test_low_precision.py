@@ -64,7 +64,7 @@ def test_int8_linear_is_the_exact_integer_product_of_per_row_quantised_inputs():
     x = torch.randn(5, 48) * torch.arange(1, 6)[:, None]  # rows of very different scale
     x[3] = 0.0  # a zero row stays zero
     xq, sx = int8_rows(x)
-    sums = (xq.long() @ mod.weight_int8.long().T).float()  # exact
+    sums = (xq.long() @ mod.weight_q.long().T).float()  # exact
     want = sums * sx * mod.weight_scale + lin.bias.detach()
     assert torch.equal(mod(x), want)
     assert torch.equal(mod(x[3:4]), lin.bias.detach()[None])
@@ -196,7 +196,7 @@ def test_fp8_gemm_on_gpu_matches_the_reference():
     mod = Fp8Linear(lin)
     x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
     got = mod(x).float()
-    ref = fp8_linear_reference(x.float(), mod.weight_fp8, mod.weight_scale, mod.bias).float()
+    ref = fp8_linear_reference(x.float(), mod.weight_q, mod.weight_scale, mod.bias).float()
     # the GPU also quantises the activations to e4m3: within a few per cent of the weight-only reference
     assert (got - ref).abs().max() < 0.08 * ref.abs().max()
     m = to_serving_dtype(load_model(TINY).model.cuda(), "float8_e4m3")

@@ -103,7 +103,7 @@ def test_int8_panels_compute_bitwise_the_int8_linear_on_every_path(n_out, k):
     with bias and residual, for each row count of a register block and beyond."""
     g = torch.Generator().manual_seed(k)
     mod = Int8Linear(torch.nn.Linear(k, n_out))
-    panels = to_int8_panels(mod.weight_int8)
+    panels = to_int8_panels(mod.weight_q)
     assert panels.dtype == torch.uint8 and panels.shape == (-(-n_out // 16), -(-k // 4), 64)
     for m in (1, 3, 4, 16, 17, 40):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4  # rows of different scale
@@ -114,7 +114,7 @@ def test_int8_panels_compute_bitwise_the_int8_linear_on_every_path(n_out, k):
             with cpu_kernels.forced_isa(name):
                 assert torch.equal(row_linear(x, panels, n_out, mod.bias, None, mod.weight_scale), want), (name, m)
                 assert torch.equal(row_linear(x, panels, n_out, mod.bias, res, mod.weight_scale), want + res), (name, m)
-        plain = x.double() @ (mod.weight_int8.double() * mod.weight_scale.double()[:, None]).T + mod.bias.double()
+        plain = x.double() @ (mod.weight_q.double() * mod.weight_scale.double()[:, None]).T + mod.bias.double()
         assert ((want.double() - plain).abs().max() / plain.abs().max()) < 0.03  # the rows' own quantisation
 
 

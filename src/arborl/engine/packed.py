@@ -92,7 +92,7 @@ class PackedLinears:
         return isinstance(m, Int8Linear) and self.row_kernel_max_rows > 0
 
     def _pack_int8(self, mods: tuple[nn.Module, ...]) -> PackedWeight:
-        weight = torch.cat([m.weight_int8 for m in mods])
+        weight = torch.cat([m.weight_q for m in mods])
         bias = None
         if any(m.bias is not None for m in mods):
             bias = torch.cat([m.bias if m.bias is not None else m.weight_scale.new_zeros(m.out_features) for m in mods])

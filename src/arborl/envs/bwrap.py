@@ -36,7 +36,7 @@ from pathlib import Path
 
 from arborl.config import EnvsConfig
 from arborl.envs.base import ENV_RUNTIMES, CommandResult, EnvError, InfraError, SandboxUnavailableError, Workspace
-from arborl.envs.host import HostRuntime
+from arborl.envs.host import HostRuntime, own_root
 from arborl.envs.proc import rlimit_prefix, run_process
 from arborl.envs.reaper import reaper_path
 from arborl.envs.seccomp import program as seccomp_program
@@ -107,7 +107,7 @@ def build_etc(root: Path, cfg: EnvsConfig) -> Path:
 
 
 def _build_etc(root: Path, cfg: EnvsConfig) -> Path:
-    staging = Path(tempfile.mkdtemp(prefix=".etc-new-", dir=_mkroot(root)))
+    staging = Path(tempfile.mkdtemp(prefix=".etc-new-", dir=own_root(str(root))))
     try:
         for name in _ETC:
             src = Path("/etc") / name
@@ -144,11 +144,6 @@ def _build_etc(root: Path, cfg: EnvsConfig) -> Path:
     except BaseException:
         remove_tree(staging)
         raise
-
-
-def _mkroot(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    return root
 
 
 def _system_links() -> list[str]:

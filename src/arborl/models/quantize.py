@@ -64,29 +64,40 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
 
 
-class Int8Linear(nn.Module):
-    """A Linear with int8 weights (a scale per output) that quantises each input row with its own scale
-    and sums the int8 products exactly in int32 (CPU)."""
+class PerChannelLinear(nn.Module):
+    """A Linear whose weight is held quantised per output channel (``weight_q``, with a float32
+    ``weight_scale`` per output) by ``quantise``; what the trainer publishes is quantised again on
+    arrival (``set_weight``). Int8Linear and Fp8Linear add their own forward."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, quantise) -> None:  # noqa: ANN001 - (w) -> (weight_q, scale)
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w8, scale = int8_weight(linear.weight)
-        self.register_buffer("weight_int8", w8)
-        self.register_buffer("weight_scale", scale)
+        self._quantise = quantise
+        wq, scale = quantise(linear.weight)
+        dev = linear.weight.device
+        self.register_buffer("weight_q", wq.to(dev))
+        self.register_buffer("weight_scale", scale.to(dev))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-        w8, scale = int8_weight(w)
-        self.weight_int8.copy_(w8)
+        wq, scale = self._quantise(w.to(self.weight_q.device))
+        self.weight_q.copy_(wq)
         self.weight_scale.copy_(scale)
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias)
 
+
+class Int8Linear(PerChannelLinear):
+    """A Linear with int8 weights (a scale per output) that quantises each input row with its own scale
+    and sums the int8 products exactly in int32 (CPU)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear, int8_weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xq, row_scale = int8_rows(x.reshape(-1, shape[-1]).float())
-        y = torch._int_mm(xq, self.weight_int8.t()).float() * row_scale * self.weight_scale
+        y = torch._int_mm(xq, self.weight_q.t()).float() * row_scale * self.weight_scale
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -152,24 +163,11 @@ def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(PerChannelLinear):
     """A Linear with e4m3 weights and per-channel scales; ``_scaled_mm`` on FP8 GPUs."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w8, scale = fp8_weight(linear.weight)
-        dev = linear.weight.device
-        self.register_buffer("weight_fp8", w8.to(dev))
-        self.register_buffer("weight_scale", scale.to(dev))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-
-    def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-        w8, scale = fp8_weight(w.to(self.weight_fp8.device))
-        self.weight_fp8.copy_(w8)
-        self.weight_scale.copy_(scale)
-        if bias is not None and self.bias is not None:
-            self.bias.copy_(bias)
+        super().__init__(linear, fp8_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -178,13 +176,13 @@ class Fp8Linear(nn.Module):
             sa = (x2.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
             xq = (x2.float() / sa).to(torch.float8_e4m3fn)
             one = torch.ones((), device=x2.device, dtype=torch.float32)
-            y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
+            y = torch._scaled_mm(xq, self.weight_q.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
             y = (y.float() * self.weight_scale[None, :])
             if self.bias is not None:
                 y = y + self.bias.float()
             y = y.to(x.dtype)
         else:
-            y = fp8_linear_reference(x2, self.weight_fp8, self.weight_scale, self.bias)
+            y = fp8_linear_reference(x2, self.weight_q, self.weight_scale, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -238,7 +236,7 @@ def has_bf16_linears(model: nn.Module) -> bool:
 
 def is_low_precision(model: nn.Module) -> bool:
     """Whether the model holds converted (int8 / FP8 / CPU bf16) Linear modules."""
-    return any(isinstance(m, (Int8Linear, Fp8Linear, Bf16Linear)) for m in model.modules())
+    return any(isinstance(m, (PerChannelLinear, Bf16Linear)) for m in model.modules())
 
 
 @torch.no_grad()
@@ -251,7 +249,7 @@ def load_serving_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     quantised: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if isinstance(modules.get(prefix), (Int8Linear, Fp8Linear, Bf16Linear)) and leaf in ("weight", "bias"):
+        if isinstance(modules.get(prefix), (PerChannelLinear, Bf16Linear)) and leaf in ("weight", "bias"):
             quantised.setdefault(prefix, {})[leaf] = tensor
         elif name in params:
             if params[name].shape != tensor.shape:
