@@ -135,3 +135,25 @@ def test_lora_after_a_full_warm_start_trains_every_weight_in_sft_and_only_adapte
     assert torch.equal(resumed, sft_embed)
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
             if json.loads(x).get("kind") == "step"] == [1, 2]
+
+
+def test_sft_mode_leaves_no_gradients_or_optimiser_state_behind():
+    """The warm start's gradients (a whole model's worth under full fine-tuning) and AdamW moments go with it:
+    RL after it holds neither."""
+    from arborl.config import TrainConfig
+    from arborl.models import tiny_llama
+    from arborl.train.sft import sft_epochs, sft_mode
+    from arborl.train.trainer import Trainer
+    from arborl.types import Sample
+
+    trainer = Trainer(tiny_llama(layers=2, hidden=32, vocab=16, heads=4, kv_heads=2, seed=0), TrainConfig())
+    toks = [1, 2, 3, 4, 5, 6]
+    mask = [0, 0, 1, 1, 1, 1]
+    sample = Sample(episode_id="e", group_id="g", token_ids=toks, loss_mask=mask, rollout_logprobs=[0.0] * 6,
+                    versions=[0] * 6, chunk_ids=[0] * 6, advantages=[0.0] * 6)
+    rl_optimizer = trainer.optimizer
+    with sft_mode(trainer, trainer.cfg) as t:
+        sft_epochs(t, [sample], epochs=1, batch=1)
+        assert any(p.grad is not None for p in t.params) and t.optimizer.state
+    assert all(p.grad is None for p in trainer.params)
+    assert trainer.optimizer is rl_optimizer and not rl_optimizer.state

@@ -597,6 +597,14 @@ class TrainConfig(Section):
         "(torch.utils.checkpoint per layer): activation memory of one layer instead of all, for about one more "
         "forward's compute per step; gradients unchanged",
     )
+    logits_chunk_tokens: int = Field(
+        1024, ge=0,
+        description="the LM head's logits exist for at most this many positions at a time, in the forward and the "
+        "backward (log-probs, entropy and loss computed chunk by chunk from the last hidden states; the chunk's logits "
+        "are recomputed in the backward): logits memory of one chunk, chunk x vocabulary x 4 bytes, whatever the "
+        "micro-batch; values and gradients unchanged. 0 = every position's logits at once (memory grows with "
+        "micro_batch_tokens x vocabulary)",
+    )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="data-parallel training over ranks")
     lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank; only with lora_rank > 0)")

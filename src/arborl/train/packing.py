@@ -40,8 +40,9 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
+from arborl.models.forward import DecoderShape, decoder_hidden
 from arborl.prefix import RadixNode, RadixTree
+from arborl.train.head_logprobs import head_logprobs
 from arborl.train.tree_attention import (
     Backend,
     block_plan,
@@ -280,12 +281,12 @@ def _padded_rows(batch: PackedBatch, device: torch.device, multiple: int = 1):
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[False] = ..., attention: Backend = ...,
-    block_size: int = ..., temperature: float = ..., checkpoint: bool = ...,
+    block_size: int = ..., temperature: float = ..., checkpoint: bool = ..., logits_chunk: int = ...,
 ) -> list[torch.Tensor]: ...
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[True], attention: Backend = ...,
-    block_size: int = ..., temperature: float = ..., checkpoint: bool = ...,
+    block_size: int = ..., temperature: float = ..., checkpoint: bool = ..., logits_chunk: int = ...,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
@@ -298,6 +299,7 @@ def packed_logprobs(
     block_size: int = DEFAULT_BLOCK_SIZE,
     temperature: float = 1.0,
     checkpoint: bool = False,
+    logits_chunk: int = 0,
 ):
     """Per-sample next-token log-probs (and entropies) of ``batch`` under ``model``.
 
@@ -315,6 +317,9 @@ def packed_logprobs(
     default), ``dense`` (padded rows, dense mask; reference) or ``flex``.
 
     ``checkpoint``: activation checkpointing per decoder layer (``decoder_hidden``); same gradients.
+
+    ``logits_chunk``: the LM head's logits of at most this many positions exist at once, forward and
+    backward (``train/head_logprobs.py``; 0 = all positions' at once); same values and gradients.
     """
     param = next(model.parameters())
     device = param.device
@@ -342,18 +347,11 @@ def packed_logprobs(
         hidden = decoder_hidden(model, ids, pos, lambda _: attend, checkpoint=checkpoint)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real)
 
-    splits = [max(n - 1, 0) for n in batch.sample_lengths]
-    logits = lm_logits(model, hidden.index_select(0, batch.logit_pos.to(device)))
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    pair = batch.pair_logit.to(device)
-    logp = logits[pair, batch.pair_target.to(device)] - lse[pair]
+    logp, entropy = head_logprobs(
+        model, hidden.index_select(0, batch.logit_pos.to(device)), batch.pair_logit.to(device),
+        batch.pair_target.to(device), chunk=logits_chunk, temperature=temperature, with_entropy=with_entropy,
+    )
     out = list(torch.split(logp, splits))
-    if not with_entropy:
+    if entropy is None:
         return out
-    probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(dim=-1)
-    return out, list(torch.split(entropy[pair], splits))
+    return out, list(torch.split(entropy, splits))

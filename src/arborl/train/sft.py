@@ -36,7 +36,7 @@ def sft_config(train: TrainConfig) -> TrainConfig:
 @contextlib.contextmanager
 def sft_mode(trainer: Trainer, cfg: TrainConfig) -> Iterator[Trainer]:
     """``trainer`` with ``sft_config(cfg)`` and a fresh optimiser at the SFT learning rate; its own
-    config and optimiser (untouched) come back afterwards."""
+    config and optimiser (untouched) come back afterwards, the SFT optimiser's state and the gradients go."""
     saved_cfg, saved_opt, saved_step = trainer.cfg, trainer.optimizer, trainer.step
     scfg = sft_config(cfg)
     trainer.cfg = scfg
@@ -46,6 +46,8 @@ def sft_mode(trainer: Trainer, cfg: TrainConfig) -> Iterator[Trainer]:
         yield trainer
     finally:
         trainer.cfg, trainer.optimizer, trainer.step = saved_cfg, saved_opt, saved_step
+        for p in trainer.params:  # the last SFT step's gradients: a whole model's worth that nothing reads again
+            p.grad = None
 
 
 def sft_epochs(trainer: Trainer, samples: list[Sample], *, epochs: int, batch: int, seed: int = 0,
@@ -82,7 +84,7 @@ def masked_nll(trainer: Trainer, samples: list[Sample]) -> float:
         for idx, prefixes in micro_batches(samples, cfg.micro_batch_tokens, tree=cfg.packing != "flat"):
             batch = pack([samples[i].token_ids for i in idx], mode=cfg.packing, token_budget=cfg.micro_batch_tokens,
                          min_saving=cfg.packing_min_saving, tree=prefixes)
-            for i, lp in zip(idx, packed_logprobs(trainer.policy, batch)):
+            for i, lp in zip(idx, packed_logprobs(trainer.policy, batch, logits_chunk=cfg.logits_chunk_tokens)):
                 m = torch.tensor(samples[i].loss_mask[1:], dtype=lp.dtype, device=lp.device)
                 total -= float((lp * m).sum())
                 tokens += float(m.sum())

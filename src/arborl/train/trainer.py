@@ -309,7 +309,7 @@ class Trainer:
     def _forward(self, batch, *, with_entropy: bool = False):
         """The policy's per-sample log-probs (and entropies) of a packed batch."""
         return packed_logprobs(self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
-                               checkpoint=self.cfg.activation_checkpointing)
+                               checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens)
 
     def _grad_sq_sum(self) -> torch.Tensor:
         """Sum of the squared gradients this process holds, accumulated in float64."""
@@ -351,10 +351,12 @@ class Trainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch) -> torch.Tensor:
         if self.ref_model is not None:
-            lps = packed_logprobs(self.ref_model, batch, temperature=self.temperature)
+            lps = packed_logprobs(self.ref_model, batch, temperature=self.temperature,
+                                  logits_chunk=self.cfg.logits_chunk_tokens)
         else:  # LoRA: the base model is the model with its adapters off
             with self.model.disable_adapter():
-                lps = packed_logprobs(self.policy, batch, temperature=self.temperature)
+                lps = packed_logprobs(self.policy, batch, temperature=self.temperature,
+                                      logits_chunk=self.cfg.logits_chunk_tokens)
         return pad_sequence(lps, batch_first=True)
 
     # -- weights for the engines ------------------------------------------------------------------
