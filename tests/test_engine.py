@@ -317,6 +317,21 @@ def test_kv_capacity_grows_past_its_first_allocation():
         assert_matches_reference(model, r)
 
 
+def test_kv_slots_grow_with_the_sequences_running_not_the_batch_allowed():
+    """The KV holds rows for the sequences that ran at once (doubling), never max_batch_size's unless that many
+    ran; a batch that grows the rows mid-run gives the tokens each request gives alone."""
+    model = make_model()
+    eng = make_engine(model, max_batch_size=32, max_seq_len=256)
+    eng.generate([GenerateRequest(prompt(60, 9), greedy(3)) for _ in range(2)])
+    assert eng.runner.kv.slots == 4 and eng.runner.kv.max_slots == 32
+    reqs = [GenerateRequest(prompt(61 + i, 5 + i), greedy(6)) for i in range(11)]
+    for r in eng.generate(reqs):
+        assert_matches_reference(model, r)
+    assert 11 <= eng.runner.kv.slots <= 16  # the 11 that ran together, not 32
+    with pytest.raises(ValueError, match="max_batch_size"):
+        eng.runner.kv.ensure(8, 33)
+
+
 def test_slot_compaction_after_kv_growth():
     """A sequence leaving after the KV grew moves the last slot into its place (regression)."""
     model = make_model()

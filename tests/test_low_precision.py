@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+
+from arborl.models import quantize
 import torch.nn.functional as F
 
 from arborl.run.assemble import build_gateway
@@ -211,8 +213,11 @@ def test_cpu_bf16_rollout_runs_bf16_weights_and_kv_and_float32_elsewhere():
     served = to_serving_dtype(copy.deepcopy(m), "bfloat16")
     linears = [x for x in served.modules() if isinstance(x, torch.nn.Linear)]
     assert linears and all(isinstance(x, Bf16Linear) for x in linears)
-    for x in linears:  # bf16 values in float32 storage
-        assert x.weight.dtype == torch.float32 and torch.equal(x.weight, x.weight.bfloat16().float())
+    tied = served.lm_head.weight is served.model.embed_tokens.weight
+    for x in linears:  # bf16 values in bf16 storage; a weight tied to the embedding keeps its float32 storage
+        shared = tied and x is served.lm_head
+        assert x.weight.dtype == (torch.float32 if shared else torch.bfloat16)
+        assert torch.equal(x.weight, x.weight.bfloat16().to(x.weight.dtype))
     assert served.model.embed_tokens.weight.dtype == torch.float32
     eng = LLMEngine(served, EngineConfig(max_seq_len=128, max_batch_size=4), eos_token_ids=[])
     runner = eng.runner
@@ -223,6 +228,32 @@ def test_cpu_bf16_rollout_runs_bf16_weights_and_kv_and_float32_elsewhere():
     ref = rollout_logprobs(copy.deepcopy(m))
     diffs = [abs(a - b) for r, q in zip(ref, low) for a, b in zip(r.logprobs, q.logprobs) if r.token_ids == q.token_ids]
     assert diffs and 0 < max(diffs) < 0.05
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bfloat16 dot products (AVX512-BF16 / AMX-BF16)")
+@pytest.mark.parametrize("tie", [False, True])
+def test_cpu_bf16_serving_copy_holds_no_float32_shadow_and_samples_as_before(tie):
+    """The serving copy's Linear weights are bf16 storage (half the bytes of the float32 storage they had),
+    from a float32 or a bf16 model, and it samples bitwise what the float32-storage copy sampled."""
+    from arborl.models import tiny_llama
+
+    m = tiny_llama(layers=2, hidden=64, vocab=96, heads=4, kv_heads=2, seed=4, tie_embeddings=tie)
+    served = to_serving_dtype(copy.deepcopy(m), "bfloat16")
+    old_style = copy.deepcopy(m)  # every Linear rounded in its float32 storage: the copy before
+    quantize._replace_linears(old_style, lambda x: Bf16Linear.convert(x, tied=True))
+    linear_bytes = {id(x.weight): x.weight.nbytes for x in served.modules() if isinstance(x, Bf16Linear)
+                    and not (tie and x is served.lm_head)}
+    old_bytes = sum(x.weight.nbytes for x in old_style.modules() if isinstance(x, Bf16Linear)
+                    and not (tie and x is old_style.lm_head))
+    assert sum(linear_bytes.values()) * 2 == old_bytes
+    new, old = rollout_logprobs(served), rollout_logprobs(old_style)
+    assert [r.token_ids for r in new] == [r.token_ids for r in old]
+    assert [r.logprobs for r in new] == [r.logprobs for r in old]
+    from_bf16 = to_serving_dtype(copy.deepcopy(m).to(torch.bfloat16), "bfloat16")
+    assert all(x.weight.dtype == torch.bfloat16 for x in from_bf16.modules()
+               if isinstance(x, Bf16Linear) and not (tie and x is from_bf16.lm_head))
+    assert from_bf16.model.embed_tokens.weight.dtype == torch.float32
+    assert from_bf16.model.norm.weight.dtype == torch.float32
 
 
 def test_bf16_on_a_cpu_without_bf16_dot_products_keeps_float32_and_says_so(monkeypatch, caplog):

@@ -255,7 +255,9 @@ def test_streamed_tensors_are_asked_for_in_huge_pages():
     assert small.shape == (4, 4) and small.dtype == torch.bfloat16 and not small.any()
     panels = to_panels(torch.randn(2048, 576))
     assert panels.data_ptr() % (2 << 20) == 0
-    kv = LLMEngine(tiny_llama(), EngineConfig(max_seq_len=4096, max_batch_size=64), eos_token_ids=[0]).runner.kv.data
+    cache = LLMEngine(tiny_llama(), EngineConfig(max_seq_len=4096, max_batch_size=64), eos_token_ids=[0]).runner.kv
+    cache.ensure(4096, 64)  # grown to every slot and the whole context: what a full batch streams
+    kv = cache.data
     assert kv.data_ptr() % (2 << 20) == 0 and not kv.any()
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"

@@ -217,6 +217,32 @@ def test_lora_trains_adapters_and_publishes_merged_weights():
     assert not torch.allclose(got, untouched, atol=1e-4)
 
 
+def test_engine_state_copies_what_training_changes_and_shares_the_frozen_base():
+    """Full fine-tuning: a snapshot (a later step does not move it), the tied weight copied once. LoRA: the
+    frozen base goes out as the trainer's own tensors (no second full copy), the adapted ones merged anew."""
+    pytest.importorskip("peft")
+    full = Trainer(model(), TrainConfig(lr=1e-2))
+    state = full.engine_state()
+    before = {k: v.clone() for k, v in state.items()}
+    full.train_step(make_samples(7))
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    own = {p.data_ptr() for p in full.model.parameters()}
+    assert not any(v.data_ptr() in own for v in state.values())
+
+    lora = Trainer(model(), TrainConfig(lr=5e-2, lora_rank=4))
+    lora.train_step(make_samples(8))
+    state = lora.engine_state()
+    base = dict(lora.policy.named_parameters())
+    mlp = "model.layers.0.mlp.down_proj.weight"
+    assert state[mlp].data_ptr() == base[mlp].data_ptr()  # not adapted: the trainer's frozen tensor
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert state[q].data_ptr() != base["model.layers.0.self_attn.q_proj.base_layer.weight"].data_ptr()
+    merged = model(seed=9)
+    merged.load_state_dict(state)
+    assert torch.equal(base["model.layers.0.self_attn.q_proj.base_layer.weight"],
+                       model().state_dict()[q])  # loading the merged state left the base as it was
+
+
 def test_trainer_scores_the_tempered_policy():
     m = model()
     samples = make_samples(30)

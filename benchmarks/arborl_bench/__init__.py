@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "credit": "arborl_bench.credit_bench:run",
     "cluster": "arborl_bench.cluster_bench:run",
     "parallel": "arborl_bench.parallel_bench:run",
+    "memory": "arborl_bench.memory_bench:run",
 }
 
 

@@ -605,6 +605,14 @@ class TrainConfig(Section):
         "micro-batch; values and gradients unchanged. 0 = every position's logits at once (memory grows with "
         "micro_batch_tokens x vocabulary)",
     )
+    memory_limit_gb: float | None = Field(
+        None, ge=0,
+        description="memory a training step may use (GB). Before each step the trainer estimates its need -- "
+        "weights, gradients, AdamW state, activations per token (measured once by a probe forward) x the largest "
+        "micro-batch's tokens, and the logits chunk -- and stops with an error naming the knob to lower instead of "
+        "being OOM-killed. None = the device's memory (the GPU's, or the machine's / container's RAM) less what the "
+        "process holds besides the trainer; 0 = no check. One-process trainer only (not train.parallel's ranks)",
+    )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="data-parallel training over ranks")
     lora_rank: int = Field(0, ge=0, description="LoRA rank via peft (0 = full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank; only with lora_rank > 0)")

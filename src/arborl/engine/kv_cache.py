@@ -3,8 +3,10 @@
 Layout ``[layers, 2 (k, v), slots, kv_heads, capacity, head_dim]``. Running sequences occupy slots
 ``0..n-1`` contiguously, so a decode step attends over the view ``[:, :, :n, :, :L]`` without
 gathering; when a sequence leaves, the last one is moved into its slot (one copy of one sequence).
-The capacity grows (doubling, up to ``max_len``) as sequences get longer, so short workloads never
-pay for zeroing the full context. Memory is zeroed because masked-out positions still enter the
+The capacity grows (doubling, up to ``max_len``) as sequences get longer, and the slot rows (doubling,
+up to ``max_batch_size``) as more sequences run at once, so a workload pays for the context and the
+batch it uses, not for the largest ones allowed (16 episodes of 2048 tokens on SmolLM2: 1.5 GB of
+float32 KV, where 32 preallocated slots held 3.0 GB). Memory is zeroed because masked-out positions still enter the
 attention kernel, and garbage there could be NaN.
 """
 
@@ -37,23 +39,34 @@ class SlotKVCache:
         device: torch.device | str,
     ) -> None:
         self.max_len = max_len
-        self.slots = slots
-        self.data = _zeros([layers, 2, slots, kv_heads, min(256, max_len), head_dim], dtype, torch.device(device))
+        self.max_slots = slots
+        self.data = _zeros([layers, 2, min(4, slots), kv_heads, min(256, max_len), head_dim], dtype,
+                           torch.device(device))
 
     @property
     def capacity(self) -> int:
         return self.data.shape[4]
 
-    def ensure(self, length: int) -> None:
-        """Make room for positions [0, length) in every slot."""
-        if length <= self.capacity:
+    @property
+    def slots(self) -> int:
+        """Slot rows allocated now (<= max_slots)."""
+        return self.data.shape[2]
+
+    def ensure(self, length: int, slots: int = 1) -> None:
+        """Make room for positions [0, length) in slots [0, slots)."""
+        if length <= self.capacity and slots <= self.slots:
             return
         if length > self.max_len:
             raise ValueError(f"KV length {length} exceeds max_len {self.max_len}")
+        if slots > self.max_slots:
+            raise ValueError(f"KV slot {slots - 1} exceeds the {self.max_slots} slots (engine.max_batch_size)")
         shape = list(self.data.shape)
-        shape[4] = min(self.max_len, max(length, 2 * self.capacity))
+        if length > self.capacity:
+            shape[4] = min(self.max_len, max(length, 2 * self.capacity))
+        if slots > self.slots:
+            shape[2] = min(self.max_slots, max(slots, 2 * self.slots))
         grown = _zeros(shape, self.data.dtype, self.data.device)
-        grown[:, :, :, :, : self.capacity] = self.data
+        grown[:, :, : self.slots, :, : self.capacity] = self.data
         self.data = grown
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +77,7 @@ class SlotKVCache:
         return self.data[:, :, slot, :, start:end].clone()
 
     def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
-        self.ensure(start + kv.shape[3])
+        self.ensure(start + kv.shape[3], slot + 1)
         self.data[:, :, slot, :, start : start + kv.shape[3]] = kv
 
     def move(self, src: int, dst: int, length: int) -> None:

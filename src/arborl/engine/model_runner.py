@@ -91,7 +91,7 @@ class ModelRunner:
             offset += n
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0)
-        self.kv.ensure(max(end for _, _, end, _ in spans))
+        self.kv.ensure(max(end for _, _, end, _ in spans), max(slot for slot, *_ in spans) + 1)
 
         if self.tree_kernel:  # the token at position p attends to keys [0, p] of its slot
             row_slot = torch.tensor([slot for slot, start, end, _ in spans for _ in range(end - start)], device=self.device)
@@ -137,7 +137,7 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, device=self.device)
         length = int(max(positions)) + 1
-        self.kv.ensure(length)
+        self.kv.ensure(length, n)
         rows = torch.arange(n, device=self.device)
         if self.tree_kernel:
             own = pos.unsqueeze(1)  # each row's keys: [0, pos) then pos itself
@@ -191,7 +191,7 @@ class ModelRunner:
             prefix += [start] * len(toks)
             rows += [r] * len(toks)
             cols += range(len(toks))
-        self.kv.ensure(max(start + len(t) for _, start, t, _ in items))
+        self.kv.ensure(max(start + len(t) for _, start, t, _ in items), max(slot for slot, *_ in items) + 1)
         deepest = max(len(c) for c in chains)
         extra = torch.tensor([c + [-1] * (deepest - len(c)) for c in chains], device=dev)
         slots_t, prefix_t = torch.tensor(slots, device=dev), torch.tensor(prefix, device=dev)
@@ -220,7 +220,7 @@ class ModelRunner:
         b = len(items)
         width = max(len(t) for _, _, t, _ in items)
         length = max(start + len(t) for _, start, t, _ in items)
-        self.kv.ensure(length)
+        self.kv.ensure(length, max(slot for slot, *_ in items) + 1)
         ids = torch.zeros(b, width, dtype=torch.long)
         pos = torch.zeros(b, width, dtype=torch.long)
         mask = torch.zeros(b, 1, width, length, dtype=torch.bool)

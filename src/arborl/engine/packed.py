@@ -30,7 +30,8 @@ def packing_available(model: nn.Module) -> bool:
 
 
 def _plain(m: nn.Module) -> bool:
-    return type(m) in (nn.Linear, Bf16Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    dtypes = (torch.float32, torch.bfloat16) if type(m) is Bf16Linear else (torch.float32,)
+    return type(m) in (nn.Linear, Bf16Linear) and m.weight.dtype in dtypes and m.weight.device.type == "cpu"
 
 
 class PackedWeight(NamedTuple):
@@ -85,7 +86,9 @@ class PackedLinears:
                     groups.append(mods)
                     fused.update(mods)
         groups += [(m,) for m in self.model.modules() if (_plain(m) or self._int8(m)) and m not in fused]
-        self._packed = {mods: self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods) for mods in groups}
+        self._packed = {}  # the old set goes before the new one is built: one set of packed weights at a time
+        for mods in groups:
+            self._packed[mods] = self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods)
 
     def _int8(self, m: nn.Module | None) -> bool:
         """An int8 Linear the row kernel runs (at every row count); without the kernel it runs as it is."""
@@ -108,7 +111,7 @@ class PackedLinears:
         bf16 = all(isinstance(m, Bf16Linear) for m in mods) and has_bf16()
         panels = (to_bf16_panels(weight) if bf16 else to_panels(weight)) if self.row_kernel_max_rows else None
         # bf16 panels take every row count, so no oneDNN copy (it was a third of a bf16 refresh's time)
-        onednn = None if panels is not None and bf16 else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        onednn = None if panels is not None and bf16 else torch.ops.mkldnn._reorder_linear_weight(weight.float(), _BATCH_HINT)
         return PackedWeight(onednn, bias, [m.out_features for m in mods], panels)
 
     def uses_panels(self, packed: PackedWeight, rows: int) -> bool:

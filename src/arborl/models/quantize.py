@@ -5,7 +5,7 @@ arrival (:func:`load_serving_weights`). The gap between the two policies is what
 metrics (``mismatch/*``) measure and what ``train.correction`` (TIS / MIS / IcePop) corrects.
 
 * ``bfloat16``: on a CPU with bfloat16 dot products (AVX512-BF16 / AMX-BF16), every ``nn.Linear``
-  becomes a :class:`Bf16Linear` (its weight rounded to bf16, kept in float32 storage) and the engine
+  becomes a :class:`Bf16Linear` (its weight rounded to bf16, in bf16 storage: no float32 shadow) and the engine
   runs those GEMMs on the CPU's bf16 dot products (``engine.row_linear``: bf16 weights and rows,
   float32 sums) and keeps the KV cache in bf16 where its attention kernel reads it (widened exactly,
   float32 sums); the rest (embeddings, norms, log-probs) stays float32. On a CPU
@@ -116,16 +116,28 @@ def cpu_has_bf16() -> bool:
 
 
 class Bf16Linear(nn.Linear):
-    """An ``nn.Linear`` whose weight holds bfloat16 values in float32 storage (the CPU bf16 rollout):
-    the engine's packed path runs it on bf16 dot products; anywhere else it is ``F.linear`` on those
-    values. Weight updates are rounded on arrival (``set_weight``)."""
+    """An ``nn.Linear`` whose weight holds bfloat16 values (the CPU bf16 rollout), in bfloat16 storage: no
+    float32 shadow of them. A weight tied to another module (an LM head sharing the embedding, which the
+    engine reads in float32) keeps the shared float32 storage, rounded to bf16 values. The engine's packed
+    path runs it on bf16 dot products; anywhere else it is ``F.linear`` on those values, widened. Weight
+    updates are rounded on arrival (``set_weight``)."""
 
     @classmethod
-    def convert(cls, linear: nn.Linear) -> "Bf16Linear":
-        linear.__class__ = cls  # same parameters, no copy
+    def convert(cls, linear: nn.Linear, *, tied: bool = False) -> "Bf16Linear":
+        linear.__class__ = cls  # same module, its weight rounded
         with torch.no_grad():
-            linear.weight.copy_(linear.weight.to(torch.bfloat16))
+            if tied:
+                if linear.weight.dtype != torch.float32:
+                    linear.weight.data = linear.weight.data.float()
+                linear.weight.copy_(linear.weight.to(torch.bfloat16))
+            else:
+                linear.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+            if linear.bias is not None and linear.bias.dtype != torch.float32:
+                linear.bias.data = linear.bias.data.float()
         return linear  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
     @torch.no_grad()
     def set_weight(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -197,6 +209,19 @@ def _replace_linears(module: nn.Module, make) -> None:
             _replace_linears(child, make)
 
 
+@torch.no_grad()
+def _float_the_rest(model: nn.Module) -> None:
+    """Every floating tensor but a Bf16Linear's weight to float32, one tensor at a time (``model.float()``
+    would first make a float32 copy of a bf16 model's every weight, the ones about to be dropped too)."""
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32 and not (isinstance(m, Bf16Linear) and name == "weight"):
+                p.data = p.data.float()
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                setattr(m, name, b.float())
+
+
 def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
     """Convert the engines' copy of the policy in place (idempotent) and return it."""
     if weights_dtype not in WEIGHTS_DTYPES:
@@ -211,15 +236,19 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
             log.warning("engine.weights_dtype=bfloat16: this CPU has no bfloat16 dot products (AVX512-BF16 or "
                         "AMX-BF16), where bf16 GEMMs are slower than float32; the engines serve float32")
             return model
-        model.float()
-        _replace_linears(model, lambda m: m if isinstance(m, Bf16Linear) else Bf16Linear.convert(m))
+        # tensor by tensor (a whole-model model.float() made a float32 copy of a bf16 model's every weight)
+        counts: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        _replace_linears(model, lambda m: Bf16Linear.convert(m, tied=counts[id(m.weight)] > 1))
+        _float_the_rest(model)
         return model
     if weights_dtype == "int8":
         if device.type != "cpu":
             raise LowPrecisionError("engine.weights_dtype=int8 runs oneDNN's CPU int8 GEMM: serve on the CPU "
                                     "(model.device=cpu), or use bfloat16 / float8_e4m3 on a GPU")
-        model.float()
         _replace_linears(model, Int8Linear)
+        _float_the_rest(model)
         return model
     ok, why = fp8_available(device)
     if not ok:

@@ -201,6 +201,10 @@ class ShardedTrainer(Trainer):
     def _make_ref(self, model: nn.Module) -> nn.Module:
         return self._ref_source
 
+    def check_memory(self, tokens: int) -> None:
+        """Not estimated on the ranks: the probe forward would run outside the sharded root's collectives."""
+        return None
+
     def _forward(self, batch, *, with_entropy: bool = False):
         return self.root(packed_logprobs, self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
                          checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens)

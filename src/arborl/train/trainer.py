@@ -44,9 +44,11 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from arborl.config import TrainConfig
+from arborl.models.forward import DecoderShape
 from arborl.prefix import RadixTree
 from arborl.train.corrections import decoupled_weights, rollout_correction
 from arborl.train.losses import policy_loss, resolve_loss
+from arborl.train.memory import StepMemory, activation_bytes_per_token, check_fits, held_bytes, step_memory
 from arborl.train.packing import PackedBatch, pack, packed_logprobs
 from arborl.types import InvalidRequestError, Sample
 
@@ -156,6 +158,7 @@ class Trainer:
         self.step = 0
         self.device = next(self.model.parameters()).device
         self.step_logprobs: dict[int, torch.Tensor] = {}  # sample index -> [len - 1], of the last step
+        self._activation_per_token: float | None = None  # bytes, measured at the first memory check
 
     def _make_ref(self, model: nn.Module) -> nn.Module:
         """The frozen KL reference: a copy of the start weights."""
@@ -190,6 +193,7 @@ class Trainer:
         self.model.train()
         parts = minibatch_split(samples, cfg.minibatches)
         plans = [self._plan(samples, part) for part in parts]  # sized and packed once per step
+        self.check_memory(max((b.tokens_packed for p in plans for _, b in p.micro), default=0))
         several = cfg.ppo_epochs * len(parts) > 1
         # pi_old / pi_prox must be the policy before the FIRST update of the step: with several
         # optimiser steps it takes its own forward now; with one, the step's forward gives it
@@ -226,6 +230,26 @@ class Trainer:
             "train/step_s": time.perf_counter() - t0,
         })
         return out
+
+    def check_memory(self, tokens: int) -> StepMemory | None:
+        """The estimated memory of a step whose largest micro-batch packs ``tokens`` tokens (train/memory.py);
+        raises TrainMemoryError, naming the knob to lower, when it exceeds train.memory_limit_gb (or the
+        device's memory). None when the check is off (memory_limit_gb = 0) or there is nothing to run."""
+        if self.cfg.memory_limit_gb == 0 or tokens <= 0:
+            return None
+        if self._activation_per_token is None:
+            self._activation_per_token = activation_bytes_per_token(
+                self._probe_forward, self.policy, DecoderShape.of(self.policy).layers)
+        need = step_memory(self, tokens, self._activation_per_token)
+        check_fits(need, self.cfg.memory_limit_gb, self.device, held=held_bytes(self),
+                   checkpointing=self.cfg.activation_checkpointing)
+        return need
+
+    def _probe_forward(self, batch):
+        """The step's forward on a probe batch, logits one row at a time (their memory is counted apart)."""
+        return packed_logprobs(self.policy, batch, with_entropy=self.cfg.loss.entropy_coef > 0,
+                               temperature=self.temperature, checkpoint=self.cfg.activation_checkpointing,
+                               logits_chunk=1)
 
     def _plan(self, samples: list[Sample], part: list[int]) -> StepPlan:
         """The samples ``part`` (indices into ``samples``) cut into micro-batches and packed."""
@@ -362,15 +386,27 @@ class Trainer:
     # -- weights for the engines ------------------------------------------------------------------
     @torch.no_grad()
     def engine_state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the plain model's parameter names (LoRA merged in), as copies
-        the engines may load while training goes on."""
+        """The policy's weights under the plain model's parameter names (LoRA merged in), which the engines
+        may load while training goes on: what training changes is copied (a tied weight once), a frozen
+        tensor (LoRA's base) is handed over as it is, never written (no second full copy of the base)."""
+        frozen = {(p.data_ptr(), p.shape) for p in self.model.parameters() if not p.requires_grad}
+        copies: dict[tuple, torch.Tensor] = {}
+
+        def snapshot(v: torch.Tensor) -> torch.Tensor:
+            key = (v.data_ptr(), v.shape)
+            if key in frozen:
+                return v.detach()
+            if key not in copies:
+                copies[key] = v.detach().clone()
+            return copies[key]
+
         if self.cfg.lora_rank == 0:
-            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            return {k: snapshot(v) for k, v in self.model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
 
-        state = {k: v.detach().clone() for k, v in self.policy.state_dict().items() if "lora_" not in k}
+        state = {k: snapshot(v) for k, v in self.policy.state_dict().items() if "lora_" not in k}
         for name, module in self.policy.named_modules():
             if isinstance(module, LoraLayer):
                 key = f"{name}.base_layer.weight"
-                state[key] = state[key] + module.get_delta_weight("default")
+                state[key] = state[key] + module.get_delta_weight("default")  # a new tensor: the base stays
         return {k.replace(".base_layer.", "."): v for k, v in state.items()}
