@@ -332,6 +332,24 @@ def test_kv_slots_grow_with_the_sequences_running_not_the_batch_allowed():
         eng.runner.kv.ensure(8, 33)
 
 
+def test_release_memory_frees_an_idle_engines_caches_and_nothing_of_a_busy_one():
+    model = make_model()
+    eng = make_engine(model, max_batch_size=16, max_seq_len=512)
+    reqs = [GenerateRequest(prompt(70 + i, 300), greedy(4)) for i in range(9)]
+    eng.generate(reqs)
+    kv_before, cached = eng.runner.kv.data.nbytes, eng.prefix_cache.nbytes()
+    assert cached > 0 and eng.runner.kv.slots >= 9
+    eng.add_request(GenerateRequest(prompt(90, 20), greedy(2)))  # waiting: the engine is not idle
+    assert eng.release_memory() == 0 and eng.prefix_cache.nbytes() == cached
+    eng.run_until_done()
+    cached = eng.prefix_cache.nbytes()
+    freed = eng.release_memory()
+    assert freed == cached + kv_before - eng.runner.kv.data.nbytes and eng.runner.kv.slots == 4
+    assert eng.prefix_cache.nbytes() == 0 and eng.runner.kv.capacity == 256
+    for r in eng.generate(reqs[:6]):  # the rows and capacity grow again, the tokens are the same
+        assert_matches_reference(model, r)
+
+
 def test_slot_compaction_after_kv_growth():
     """A sequence leaving after the KV grew moves the last slot into its place (regression)."""
     model = make_model()

@@ -33,6 +33,8 @@ def test_tis_on_weights_every_token_of_a_real_step(tmp_path):
     assert (a["mismatch/weight_mean"], a["mismatch/truncated_frac"]) == (1.0, 0.0)
     assert (b["mismatch/weight_mean"], b["mismatch/truncated_frac"]) == (0.5, 1.0)
     assert b["train/grad_norm"] == pytest.approx(0.5 * a["train/grad_norm"], rel=1e-4)
+    # sync consumption: the engine is idle while the step trains, its prefix cache and spare KV rows freed
+    assert a["memory/engine_released_gb"] > 0
 
 
 def test_max_version_gap_drops_stale_groups_under_async_consumption(tmp_path):

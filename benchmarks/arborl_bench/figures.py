@@ -19,7 +19,7 @@ class Figure:
 
     path: tuple[str, ...]  # key path in the benchmark's last-line JSON object
     label: str  # short, for the README cell
-    unit: str  # "x" (a ratio), "ms", "s", "tok/s", "eps/s", "frac" (0-1), "count", "tokens"
+    unit: str  # "x" (a ratio), "ms", "s", "tok/s", "eps/s", "frac" (0-1), "count", "tokens", "GB"
     row: str  # the README "Measured figures" row it belongs to
 
 
@@ -97,6 +97,13 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("step_time_ratio", "step time 2 ranks / 1 process", "x", "sharded training"),
         _f("sync_stream_peak_ratio", "streamed weight sync peak / gathered", "x", "sharded training"),
         _f("episodes_lost", "episodes lost to a killed rank", "count", "sharded training"),
+    ],
+    "memory": [
+        _f("peak_rss_ratio", "code-repair job's peak memory, lean / today's", "x", "memory"),
+        _f("peak_rss_gb_sft", "peak memory in SFT", "GB", "memory"),
+        _f("peak_rss_gb_rl", "peak memory in RL", "GB", "memory"),
+        _f("lora_1p7b_peak_rss_gb", "LoRA GRPO step of a 1.7B-shaped model, peak", "GB", "memory"),
+        _f("lora_1p7b_step_s", "LoRA GRPO step of a 1.7B-shaped model, time", "s", "memory"),
     ],
     "cluster": [
         _f("faults_injected", "faults injected", "count", "Ray"),

@@ -156,6 +156,15 @@ class LLMEngine:
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
+    def release_memory(self) -> int:
+        """Free the prefix cache and the KV rows beyond the first allocation when nothing runs or waits (see
+        ``EngineFace.release_memory``); the next requests grow them again. Returns the bytes freed."""
+        if self.has_work:
+            return 0
+        freed = self.prefix_cache.nbytes()
+        self.prefix_cache.clear()
+        return freed + self.runner.kv.shrink()
+
     # -- KV migration (divided rollout) ------------------------------------------------------------
     def export_prefix_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         """The KV of the longest cached prefix of ``tokens`` (``[layers, 2, kv_heads, n, head_dim]``,

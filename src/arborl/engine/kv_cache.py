@@ -47,6 +47,15 @@ class SlotKVCache:
     def capacity(self) -> int:
         return self.data.shape[4]
 
+    def shrink(self) -> int:
+        """Back to the first allocation (rows and capacity), the rest freed: nothing may be running. Returns
+        the bytes freed."""
+        before = self.data.nbytes
+        shape = list(self.data.shape)
+        shape[2], shape[4] = min(4, self.max_slots), min(256, self.max_len)
+        self.data = _zeros(shape, self.data.dtype, self.data.device)
+        return max(before - self.data.nbytes, 0)
+
     @property
     def slots(self) -> int:
         """Slot rows allocated now (<= max_slots)."""

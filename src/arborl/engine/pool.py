@@ -108,6 +108,11 @@ class EnginePool:
         async with ctx:
             await asyncio.gather(*(e.update_weights(state, version) for e in self.engines))
 
+    async def release_memory(self) -> int:
+        """Every idle engine frees its prefix cache and spare KV rows (``EngineFace.release_memory``); the
+        bytes freed in this process."""
+        return sum(await asyncio.gather(*(e.release_memory() for e in self.engines)))
+
     # -- observing ---------------------------------------------------------------------------------
     def engine_rows(self) -> list[dict[str, Any]]:
         return [{"engine_id": e.engine_id, "load": self.router.load(i), "version": e.version, "down": i in self.router.down,

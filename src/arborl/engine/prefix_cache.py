@@ -50,5 +50,9 @@ class PrefixKVCache:
         if excess > 0:
             self.tree.evict(excess)
 
+    def nbytes(self) -> int:
+        """Bytes of the cached KV."""
+        return sum(node.value.nbytes for node in self.tree.dfs() if node.value is not None)
+
     def clear(self) -> None:
         self.tree = RadixTree(split_value=_split_kv)

@@ -290,7 +290,10 @@ class Controller:
         gap = max((self.version - v for v in (e.min_version() for e in episodes) if v is not None), default=0)
         train_metrics: dict[str, float] = {}
         publish_s = 0.0
+        released = 0
         if samples:
+            # an idle engine's prefix cache (cleared by the publish anyway) and spare KV rows make way for training
+            released = await self.engines.release_memory()
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
             await asyncio.to_thread(self._record_trainer_logprobs, step, built, episodes)
             if self.mtp is not None:
@@ -330,6 +333,7 @@ class Controller:
             "train_s": train_metrics.get("train/step_s", 0.0),
             "publish_s": publish_s,
             "step_s": step_s,
+            "memory/engine_released_gb": released / 1e9,
             "policy_version": self.version,
             "sched/max_version_gap": gap,
             "sched/dropped_groups": st["dropped"],

@@ -177,6 +177,10 @@ class ServerEngine(ABC):
         if live.task is not None and not live.task.done():
             live.task.get_loop().call_soon_threadsafe(live.task.cancel)
 
+    async def release_memory(self) -> int:
+        """The server's KV cache is its own process's (and its own to manage): nothing freed here."""
+        return 0
+
     async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Stop every segment, load ``state`` into the server, continue as ``version``; returns seconds."""
         if self._closed:
