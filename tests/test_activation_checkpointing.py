@@ -83,10 +83,11 @@ def test_checkpointing_recomputes_each_layer_in_the_backward_instead_of_saving_i
 def test_the_knob_trains_the_same_step_with_recomputation(layer_runs):
     samples = make_samples(2)
     ref, m = model(), model()
-    a = Trainer(ref, TrainConfig(lr=1e-2)).train_step(samples)
+    # memory_limit_gb=0: without the memory check's one probe forward (train/memory.py), only the step's runs
+    a = Trainer(ref, TrainConfig(lr=1e-2, memory_limit_gb=0)).train_step(samples)
     assert layer_runs == [0, 1]
     layer_runs.clear()
-    b = Trainer(m, TrainConfig(lr=1e-2, activation_checkpointing=True)).train_step(samples)
+    b = Trainer(m, TrainConfig(lr=1e-2, activation_checkpointing=True, memory_limit_gb=0)).train_step(samples)
     assert layer_runs == [0, 1, 1, 0]  # one micro-batch: its forward and the backward's recomputation
     assert torch.equal(params_of(m), params_of(ref)) and a["train/grad_norm"] == b["train/grad_norm"]
     assert not torch.equal(params_of(m), params_of(model()))  # it trained

@@ -10,7 +10,7 @@ import torch
 from arborl.config import EngineConfig
 from arborl.engine import AsyncEngine, LLMEngine, TokenEvent
 from arborl.models import tiny_llama
-from arborl.types import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
+from arborl.types import ArborlError, FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
 
 VOCAB = 512
 EOS = VOCAB - 1
@@ -348,6 +348,47 @@ def test_release_memory_frees_an_idle_engines_caches_and_nothing_of_a_busy_one()
     assert eng.prefix_cache.nbytes() == 0 and eng.runner.kv.capacity == 256
     for r in eng.generate(reqs[:6]):  # the rows and capacity grow again, the tokens are the same
         assert_matches_reference(model, r)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_an_engine_owning_its_model_keeps_linear_weights_only_in_its_packs(dtype, tie):
+    """owns_model: the packed copies are the engine's only copy of the Linear weights (a tied LM head stays: the
+    embedding reads it); it samples what an engine keeping them samples, before and after a weight update."""
+    import copy
+
+    from arborl.models.quantize import to_serving_dtype
+
+    if dtype == "bfloat16":
+        from arborl.models.quantize import cpu_has_bf16
+
+        if not cpu_has_bf16():
+            pytest.skip("this CPU has no bfloat16 dot products: the bf16 copy stays float32")
+    model = tiny_llama(layers=2, hidden=64, vocab=96, heads=4, kv_heads=2, seed=4, tie_embeddings=tie)
+    cfg = EngineConfig(max_seq_len=128, max_batch_size=4)
+    keep = LLMEngine(to_serving_dtype(copy.deepcopy(model), dtype), cfg, eos_token_ids=[])
+    own = LLMEngine(to_serving_dtype(copy.deepcopy(model), dtype), cfg, eos_token_ids=[], owns_model=True)
+    if own.runner.linear is None:
+        pytest.skip("no packed weights on this machine")
+    linear_bytes = {e: sum(m.weight.nbytes for m in e.model.modules() if isinstance(m, torch.nn.Linear))
+                    for e in (keep, own)}
+    head = own.model.lm_head.weight.nbytes if tie else 0
+    assert own.runner.linear.held() and linear_bytes[own] == head < linear_bytes[keep]
+    reqs = [GenerateRequest([1 + i, 7, 9, 3], SamplingParams(temperature=1.0, max_tokens=6, seed=i, ignore_eos=True))
+            for i in range(3)]
+
+    def same() -> None:
+        a, b = keep.generate(reqs), own.generate(reqs)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b] and [r.logprobs for r in a] == [r.logprobs for r in b]
+
+    same()
+    state = tiny_llama(layers=2, hidden=64, vocab=96, heads=4, kv_heads=2, seed=5, tie_embeddings=tie).state_dict()
+    keep.update_weights(state, 1)
+    own.update_weights(state, 1)
+    same()
+    partial = {k: v for k, v in state.items() if "mlp" not in k}
+    with pytest.raises(ArborlError, match="every Linear weight"):
+        own.update_weights(partial, 2)
 
 
 def test_slot_compaction_after_kv_growth():

@@ -74,3 +74,15 @@ def test_off_and_defaults():
     trainer.train_step(_samples())
     assert trainer.step == 1
 
+
+
+def test_the_probe_forward_runs_once_per_trainer(monkeypatch):
+    from arborl.train import trainer as trainer_module
+
+    calls = []
+    real = trainer_module.activation_bytes_per_token
+    monkeypatch.setattr(trainer_module, "activation_bytes_per_token", lambda *a: calls.append(1) or real(*a))
+    trainer = Trainer(_model(), TrainConfig())
+    trainer.train_step(_samples())
+    trainer.train_step(_samples())
+    assert len(calls) == 1 and trainer.step == 2

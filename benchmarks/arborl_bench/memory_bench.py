@@ -13,7 +13,10 @@ settings against the lean ones, and LoRA RL of a SmolLM2-1.7B-shaped model on th
      allocated at start, the last SFT step's gradients kept through RL, every published tensor cloned,
      the old packed weights alive while the new ones are built;
    - ``after``: the defaults now (logits chunk by chunk, KV rows as sequences run, gradients freed,
-     frozen base tensors published by reference, packed weights rebuilt in place).
+     frozen base tensors published by reference, packed weights rebuilt in place, the engine's Linear
+     weights only in its packs, its prefix cache and spare KV rows freed while the trainer trains);
+   - ``no_ckpt``: ``after`` without activation checkpointing (the job's config has it on): its memory
+     and the time checkpointing costs (``ckpt_time_ratio_*``, with / without).
 2. **LoRA GRPO on a SmolLM2-1.7B-shaped model** (its config, random weights built here; bf16 base,
    float32 adapters, activation checkpointing): one full step -- 4 episodes (prompt + decode) on the
    built-in engine, the GRPO train step on them, the merged weights published to the engine -- with
@@ -167,13 +170,16 @@ def job_child(variant: str, quick: bool) -> dict[str, Any]:
     before = variant == "before"
     cfg = load_config(str(_config_path()), [])
     tcfg = cfg.train.model_copy(update={"logits_chunk_tokens": 0}) if before else cfg.train
+    if variant == "no_ckpt":
+        tcfg = tcfg.model_copy(update={"activation_checkpointing": False})
     rng = random.Random(0)
     torch.manual_seed(0)
     loaded = load_model(cfg.model)
     vocab = loaded.vocab_size
     max_len = cfg.engine.max_seq_len
     serving = copy.deepcopy(loaded.model)  # the job's engine copy (run/job.py)
-    engine = LLMEngine(serving, cfg.engine, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=0)
+    engine = LLMEngine(serving, cfg.engine, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=0,
+                       owns_model=not before)  # as the job's engine (build_gateway): its model is its own
     if before:  # today's engine allocated every slot's rows at start
         engine.runner.kv.ensure(1, cfg.engine.max_batch_size)
     trainer = make_trainer(loaded.model, tcfg.model_copy(update={"lora_rank": 0}), temperature=cfg.rollout.temperature)
@@ -204,6 +210,8 @@ def job_child(variant: str, quick: bool) -> dict[str, Any]:
     kept: list[torch.Tensor] = []
 
     def sft() -> None:
+        if not before:  # the controller: an idle engine's caches make way for training
+            engine.release_memory()
         with sft_mode(trainer, tcfg) as t:
             sft_epochs(t, sft_samples, epochs=1, batch=n_sft)
             if before:  # today: the last SFT step's gradients stayed on the weights through RL
@@ -218,7 +226,12 @@ def job_child(variant: str, quick: bool) -> dict[str, Any]:
     phase("rl_rollout", lambda: rollout(engine, rng, vocab, max_len, decode, cfg.rollout.temperature))
     n_rl = GROUP_SIZE if quick else GROUPS * GROUP_SIZE
     rl_samples = transcripts(rng, n_rl, max_len, vocab, group=GROUP_SIZE, shared=SHARED_PROMPT)
-    metrics = phase("rl_train", lambda: trainer.train_step(rl_samples))
+    def rl_train() -> dict:
+        if not before:
+            engine.release_memory()
+        return trainer.train_step(rl_samples)
+
+    metrics = phase("rl_train", rl_train)
     phase("rl_publish", lambda: publish(2))
     shape = trainer.policy.get_input_embeddings().weight.shape
     rows = max_len * 2 if tcfg.logits_chunk_tokens <= 0 else tcfg.logits_chunk_tokens  # a 4096-token micro-batch
@@ -241,6 +254,7 @@ def big_child(quick: bool) -> dict[str, Any]:
 
     from arborl.config import EngineConfig, TrainConfig
     from arborl.engine.engine import LLMEngine
+    from arborl.models.quantize import to_serving_dtype
     from arborl.train.trainer import Trainer
 
     rng = random.Random(1)
@@ -251,8 +265,9 @@ def big_child(quick: bool) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     episodes, prompt, decode = (2, 512, 8) if quick else (4, 1024, 32)
-    serving = copy.deepcopy(model)
-    engine = LLMEngine(serving, EngineConfig(max_batch_size=episodes, max_seq_len=prompt + decode + 8), eos_token_ids=[0])
+    serving = to_serving_dtype(copy.deepcopy(model), "bfloat16")  # bf16 Linear weights, float32 elsewhere
+    engine = LLMEngine(serving, EngineConfig(max_batch_size=episodes, max_seq_len=prompt + decode + 8), eos_token_ids=[0],
+                       owns_model=True)  # its Linear weights only in its bf16 panels
     tcfg = TrainConfig(lora_rank=16, lora_alpha=32, lr=2e-4, activation_checkpointing=True)
     trainer = Trainer(model, tcfg, temperature=0.5)
     after_setup = rss()
@@ -275,6 +290,7 @@ def big_child(quick: bool) -> dict[str, Any]:
         adv = 1.0 if i % 2 else -1.0
         samples.append(Sample(episode_id=f"e{i}", group_id="g", token_ids=toks, loss_mask=mask,
                               rollout_logprobs=[0.0] * len(req.prompt_token_ids) + list(res.logprobs),
+                              sample_logprobs=[0.0] * len(req.prompt_token_ids) + list(res.sample_logprobs),
                               versions=[0 if m else -1 for m in mask], chunk_ids=[0] * len(toks),
                               advantages=[adv * m for m in mask]))
     t_train = time.perf_counter()
@@ -322,7 +338,7 @@ def run(quick: bool, console) -> dict:
 
     q = ["--quick"] if quick else []
     jobs = {}
-    for variant in ("before", "after"):
+    for variant in ("before", "after", "no_ckpt"):
         console.print(f"the job's phases, {variant} ...")
         jobs[variant] = _child(["job", variant, *q])
     table = Table(title="code-repair job, peak resident memory by phase (GB)")
@@ -332,8 +348,12 @@ def run(quick: bool, console) -> dict:
     table.add_column("after / before", justify="right")
     for name in jobs["after"]["phases"]:
         b, a = jobs["before"]["phases"][name]["peak_gb"], jobs["after"]["phases"][name]["peak_gb"]
-        table.add_row(name, f"{b:.2f}", f"{a:.2f}", f"{a / b:.2f}")
+        table.add_row(name, *(f"{jobs[v]['phases'][name]['peak_gb']:.2f}" for v in jobs), f"{a / b:.2f}")
     console.print(table)
+    for name in ("sft", "rl_train"):
+        a, n = jobs["after"]["phases"][name], jobs["no_ckpt"]["phases"][name]
+        console.print(f"{name} without activation checkpointing: peak {n['peak_gb']:.2f} GB (with: {a['peak_gb']:.2f}), "
+                      f"time {n['seconds']:.1f} s (with: {a['seconds']:.1f} s)")
     comp = Table(title="what holds it after each phase, after (GB)")
     comp.add_column("phase")
     keys = list(next(iter(jobs["after"]["phases"].values()))["components_gb"])
@@ -363,6 +383,12 @@ def run(quick: bool, console) -> dict:
         "phases": {v: {n: ph["peak_gb"] for n, ph in jobs[v]["phases"].items()} for v in jobs},
         "components_after": {n: ph["components_gb"] for n, ph in jobs["after"]["phases"].items()},
         "estimate_gb_after": jobs["after"]["estimate_gb"],
+        "peak_rss_gb_sft_no_ckpt": peak("no_ckpt", ("sft",)),
+        "peak_rss_gb_rl_no_ckpt": peak("no_ckpt", rl),
+        "ckpt_time_ratio_sft": round(jobs["after"]["phases"]["sft"]["seconds"]
+                                     / jobs["no_ckpt"]["phases"]["sft"]["seconds"], 3),
+        "ckpt_time_ratio_rl_train": round(jobs["after"]["phases"]["rl_train"]["seconds"]
+                                          / jobs["no_ckpt"]["phases"]["rl_train"]["seconds"], 3),
         "lora_1p7b_step_s": big["step_s"],
         "lora_1p7b_peak_rss_gb": big["peak_rss_gb"],
         "lora_1p7b": big,

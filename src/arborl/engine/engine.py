@@ -78,7 +78,10 @@ class LLMEngine:
         tokenizer=None,
         seed: int = 0,
         version: int = 0,
+        owns_model: bool = False,
     ) -> None:
+        """``owns_model``: nobody else reads ``model`` -- the engine frees the Linear weights its packed copies
+        replace (one copy of them in the engine, not two or three)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -104,6 +107,8 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self.stats = EngineStats()
         self.spec = SpecDecoder(self) if config.spec.enabled else None
+        if owns_model and self.spec is None:  # a drafter may run the policy's modules (draft_layers): kept then
+            self.runner.release_module_weights()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:

@@ -269,12 +269,44 @@ class ModelRunner:
         self.last_hidden = h
         return lm_logits(self.model, h, self.linear)
 
+    def release_module_weights(self) -> int:
+        """Free the Linear weights the packed copies replace (the model must be this runner's alone);
+        returns the bytes freed (0 without packed weights)."""
+        return self.linear.release_module_weights() if self.linear is not None else 0
+
+    def _held_weights(self, state: dict[str, torch.Tensor]) -> dict[nn.Module, torch.Tensor]:
+        """Take out of ``state`` the new weights (and biases, set in place) of modules whose weight lives only
+        in the packs; the new weights by module."""
+        held = self.linear.held() if self.linear is not None else {}
+        if not held:
+            return {}
+        new: dict[nn.Module, torch.Tensor] = {}
+        for name, module in self.model.named_modules():
+            if module not in held:
+                continue
+            w = state.pop(f"{name}.weight", None)
+            if w is not None:
+                if tuple(w.shape) != tuple(held[module]):
+                    raise ArborlError(f"update_weights: {name}.weight has shape {tuple(w.shape)}, "
+                                      f"expected {tuple(held[module])}")
+                new[module] = w
+            b = state.pop(f"{name}.bias", None)
+            if b is not None and module.bias is not None:
+                module.bias.copy_(b)
+        return new
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        new = self._held_weights(state)
+        missing = [m for m in (self.linear.held() if self.linear is not None else {}) if m not in new]
+        if missing:  # the packs are rebuilt whole, and these modules' weights live nowhere else
+            raise ArborlError(f"update_weights: {len(missing)} Linear weight(s) missing; this engine keeps them only "
+                              "in its packed copies, so an update sends every Linear weight")
         if is_low_precision(self.model):  # int8 / FP8 / bf16 serving copy: re-quantise what arrives (I5)
             load_serving_weights(self.model, state)
             if self.linear is not None:
-                self.linear.refresh()
+                self.linear.refresh(new)
             return
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
@@ -289,4 +321,4 @@ class ModelRunner:
         for name, tensor in state.items():
             params[name].copy_(tensor)
         if self.linear is not None:
-            self.linear.refresh()
+            self.linear.refresh(new)

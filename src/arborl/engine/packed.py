@@ -64,6 +64,7 @@ class PackedLinears:
         self.model = model
         self.row_kernel_max_rows = row_kernel_max_rows if row_kernel_max_rows > 0 and row_kernel_available() else 0
         self._packed: dict[tuple[nn.Module, ...], PackedWeight] = {}
+        self._held: dict[nn.Module, torch.Size] = {}  # modules whose weight lives only in the packs: its shape
         self.refresh()
 
     def __len__(self) -> int:
@@ -73,9 +74,40 @@ class PackedLinears:
         """modules packed together -> their ``PackedWeight``; current weights."""
         return self._packed
 
+    def held(self) -> dict[nn.Module, torch.Size]:
+        """Modules whose weight was freed (``release_module_weights``): the packs hold it; a new one comes
+        through ``refresh(weights)``."""
+        return self._held
+
+    def release_module_weights(self) -> int:
+        """Free the packed modules' own weights (their values live in the packs); a weight another module
+        shares (an LM head tied to the embedding, which the forward reads) stays, and so does a
+        ``Bf16Linear``'s whose oneDNN path reads it. Returns the bytes freed."""
+        uses: dict[int, int] = {}
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        freed = 0
+        for mods, packed in self._packed.items():
+            for m in mods:
+                plain = type(m) is nn.Linear or (type(m) is Bf16Linear and packed.onednn is None)
+                if not plain or m in self._held or uses.get(id(m.weight), 0) > 1:
+                    continue
+                self._held[m] = m.weight.shape
+                freed += m.weight.nbytes
+                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        return freed
+
+    def _weight(self, m: nn.Module, new: dict[nn.Module, torch.Tensor]) -> torch.Tensor:
+        if m in new:
+            return new[m].detach().to(torch.float32)
+        if m in self._held:
+            raise RuntimeError(f"{type(m).__name__}'s weight lives only in the packs: pass the new one to refresh")
+        return m.weight.detach()
+
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Reorder the current weights (at start and after a weight update: never read in place later)."""
+    def refresh(self, weights: dict[nn.Module, torch.Tensor] | None = None) -> None:
+        """Reorder the current weights (at start and after a weight update: never read in place later);
+        ``weights``: the new weights of modules whose own were freed (``held``), float32 values."""
         groups: list[tuple[nn.Module, ...]] = []
         fused: set[nn.Module] = set()
         for layer in getattr(getattr(self.model, "model", None), "layers", []):
@@ -88,7 +120,7 @@ class PackedLinears:
         groups += [(m,) for m in self.model.modules() if (_plain(m) or self._int8(m)) and m not in fused]
         self._packed = {}  # the old set goes before the new one is built: one set of packed weights at a time
         for mods in groups:
-            self._packed[mods] = self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods)
+            self._packed[mods] = self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods, weights or {})
 
     def _int8(self, m: nn.Module | None) -> bool:
         """An int8 Linear the row kernel runs (at every row count); without the kernel it runs as it is."""
@@ -102,11 +134,12 @@ class PackedLinears:
         return PackedWeight(None, bias, [m.out_features for m in mods], to_int8_panels(weight),
                             torch.cat([m.weight_scale for m in mods]))
 
-    def _pack(self, mods: tuple[nn.Module, ...]) -> PackedWeight:
-        weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+    def _pack(self, mods: tuple[nn.Module, ...], new: dict[nn.Module, torch.Tensor]) -> PackedWeight:
+        parts = [self._weight(m, new) for m in mods]
+        weight = torch.cat(parts) if len(parts) > 1 else parts[0]
         bias = None
         if any(m.bias is not None for m in mods):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+            bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
                               for m in mods])
         bf16 = all(isinstance(m, Bf16Linear) for m in mods) and has_bf16()
         panels = (to_bf16_panels(weight) if bf16 else to_panels(weight)) if self.row_kernel_max_rows else None

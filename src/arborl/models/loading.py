@@ -48,6 +48,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     vocab_size: int  # rows of the input embedding
     max_position_embeddings: int
+    # nobody else reads .model (an engine's own copy): an engine may free the weights its packs replace
+    exclusive: bool = False
 
 
 # --------------------------------------------------------------------------- SmolLM2 (GGUF)

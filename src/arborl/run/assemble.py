@@ -4,6 +4,7 @@ benchmarks run on)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ def build_gateway(
     """Load the model (unless given), start ``gateway.num_engines`` engines (engine-0, engine-1, ...,
     each with its own copy of the weights) in a pool placed by the scheduling knobs, open the run's
     data pool, and wire the gateway."""
-    loaded = loaded or load_model(cfg.model)
+    loaded = loaded or dataclasses.replace(load_model(cfg.model), exclusive=True)  # the engines' alone
     cluster = RayDeployment(cfg, loaded, version=version, run_dir=run_dir) if cfg.cluster.backend == "ray" else None
     engines = cluster.engines if cluster else build_engines(cfg, loaded, version=version)  # engine.backend: builtin, vllm, ...
     try:

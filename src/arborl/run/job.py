@@ -65,7 +65,8 @@ def _controller(cfg: Config, suite: ConfiguredSuite, trainer: Trainer | None, se
     """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
     ``version``, and the controller around them."""
     built = build_gateway(
-        cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval()), run_dir=run_dir, version=version
+        cfg, loaded=dataclasses.replace(loaded, model=serving_model.eval(), exclusive=True), run_dir=run_dir,
+        version=version
     )
     ctl = Controller(cfg, built.gateway, built.engines, built.pool, trainer, suite,
                      version=version, start_step=start_step)

@@ -39,7 +39,7 @@ def builtin(cfg: "Config", loaded: "LoadedModel", *, index: int = 0, version: in
     if ecfg.spec.enabled and ecfg.spec.drafter == "mtp":  # the head beside an HF policy directory, if any
         ecfg.spec = ecfg.spec.model_copy(update={"mtp_path": mtp_init_path(cfg)})
     eng = LLMEngine(model, ecfg, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, seed=cfg.seed + index,
-                    version=version)
+                    version=version, owns_model=loaded.exclusive or index > 0)
     return AsyncEngine(eng)
 
 
@@ -64,13 +64,15 @@ def build_engines(cfg: "Config", loaded: "LoadedModel", *, version: int = 0) -> 
     factory = ENGINE_BACKENDS.get(cfg.engine.backend)
     engines: list = []
     try:
-        for i in range(cfg.gateway.num_engines):
+        # the last first: engines 1.. copy loaded.model before engine 0 takes it (and, owning it, frees what its
+        # packed weights replace)
+        for i in reversed(range(cfg.gateway.num_engines)):
             engines.append(factory(cfg, loaded, index=i, version=version))
     except BaseException:
         for e in engines:
             e.shutdown()
         raise
-    return engines
+    return engines[::-1]
 
 
 __all__ = ["ENGINE_BACKENDS", "BackendError", "ServerUnavailableError", "build_engines"]
