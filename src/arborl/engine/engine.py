@@ -28,6 +28,7 @@ from arborl.engine.sampling import sample
 from arborl.engine.sequence import Sequence, SeqState
 from arborl.engine.spec import Draft, SpecDecoder
 from arborl.engine.spec.verify import accept_all
+from arborl.heap import release_free_memory
 from arborl.prefix import RadixTree
 from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
 
@@ -109,6 +110,7 @@ class LLMEngine:
         self.spec = SpecDecoder(self) if config.spec.enabled else None
         if owns_model and self.spec is None:  # a drafter may run the policy's modules (draft_layers): kept then
             self.runner.release_module_weights()
+            release_free_memory()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
@@ -149,6 +151,7 @@ class LLMEngine:
         if head:
             state = {k: v for k, v in state.items() if k not in head}
         self.runner.load_weights(state)
+        release_free_memory()  # the old packed weights
         if head and self.spec is not None:
             self.spec.update_head(head)
         self.version = version
@@ -168,7 +171,9 @@ class LLMEngine:
             return 0
         freed = self.prefix_cache.nbytes()
         self.prefix_cache.clear()
-        return freed + self.runner.kv.shrink()
+        freed += self.runner.kv.shrink()
+        release_free_memory()
+        return freed
 
     # -- KV migration (divided rollout) ------------------------------------------------------------
     def export_prefix_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from arborl.config import TrainConfig
+from arborl.heap import release_free_memory
 from arborl.train.packing import pack, packed_logprobs
 from arborl.train.trainer import Trainer, micro_batches
 from arborl.types import InvalidRequestError, Sample
@@ -48,6 +49,7 @@ def sft_mode(trainer: Trainer, cfg: TrainConfig) -> Iterator[Trainer]:
         trainer.cfg, trainer.optimizer, trainer.step = saved_cfg, saved_opt, saved_step
         for p in trainer.params:  # the last SFT step's gradients: a whole model's worth that nothing reads again
             p.grad = None
+        release_free_memory()  # and the SFT optimizer's moments, gone with it
 
 
 def sft_epochs(trainer: Trainer, samples: list[Sample], *, epochs: int, batch: int, seed: int = 0,
