@@ -43,7 +43,7 @@ import torch
 
 GB = 1e9
 GROUPS, GROUP_SIZE = 4, 4
-SHARED_PROMPT = 600  # system prompt, tools and task: what a group's episodes share
+SHARED_FRACTION = 0.3  # of the context: system prompt, tools and task, what a group's episodes share
 TURNS = 4
 SMOLLM2_1P7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192,
@@ -87,8 +87,13 @@ def rss() -> int:
 def _tensor_bytes(tensors) -> int:
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
-        if torch.is_tensor(t) and t.numel():
-            seen[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+        if not torch.is_tensor(t) or not t.numel():
+            continue
+        try:
+            storage = t.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        except NotImplementedError:  # an opaque tensor (oneDNN's reordered weight): its elements
+            seen[(id(t), 0)] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -121,8 +126,9 @@ def rollout(engine, rng: random.Random, vocab: int, max_len: int, decode: int, t
     Returns the tokens decoded."""
     from arborl.types import GenerateRequest, SamplingParams
 
-    per_turn = (max_len - SHARED_PROMPT) // TURNS
-    shared = [_ids(rng, SHARED_PROMPT, vocab) for _ in range(GROUPS)]
+    prompt = int(max_len * SHARED_FRACTION)
+    per_turn = (max_len - prompt) // TURNS
+    shared = [_ids(rng, prompt, vocab) for _ in range(GROUPS)]
     history = [list(shared[g]) for g in range(GROUPS) for _ in range(GROUP_SIZE)]
     decoded = 0
     for turn in range(TURNS):
@@ -159,7 +165,7 @@ def _config_path() -> Path:
     return here if here.is_file() else Path("configs/code_repair.yaml")
 
 
-def job_child(variant: str, quick: bool) -> dict[str, Any]:
+def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> dict[str, Any]:
     """The job's phases in this process (module docstring); per phase its peak and the components."""
     from arborl.config import load_config
     from arborl.engine.engine import LLMEngine
@@ -168,7 +174,7 @@ def job_child(variant: str, quick: bool) -> dict[str, Any]:
     from arborl.train.sft import sft_epochs, sft_mode
 
     before = variant == "before"
-    cfg = load_config(str(_config_path()), [])
+    cfg = load_config(str(_config_path()), list(overrides or []))  # the tests' own: a tiny model
     tcfg = cfg.train.model_copy(update={"logits_chunk_tokens": 0}) if before else cfg.train
     if variant == "no_ckpt":
         tcfg = tcfg.model_copy(update={"activation_checkpointing": False})
@@ -225,7 +231,7 @@ def job_child(variant: str, quick: bool) -> dict[str, Any]:
     trainer = make_trainer(trainer.policy, tcfg, temperature=cfg.rollout.temperature)  # LoRA on the SFT weights
     phase("rl_rollout", lambda: rollout(engine, rng, vocab, max_len, decode, cfg.rollout.temperature))
     n_rl = GROUP_SIZE if quick else GROUPS * GROUP_SIZE
-    rl_samples = transcripts(rng, n_rl, max_len, vocab, group=GROUP_SIZE, shared=SHARED_PROMPT)
+    rl_samples = transcripts(rng, n_rl, max_len, vocab, group=GROUP_SIZE, shared=int(max_len * SHARED_FRACTION))
     def rl_train() -> dict:
         if not before:
             engine.release_memory()
@@ -248,7 +254,8 @@ def _estimate(trainer, tokens: int) -> float | None:
 
 
 # -- SmolLM2-1.7B's shape, LoRA ------------------------------------------------------------------------
-def big_child(quick: bool) -> dict[str, Any]:
+def big_child(quick: bool, shape_overrides: dict[str, Any] | None = None,
+              lengths: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """One LoRA GRPO step of the 1.7B-shaped model: rollout on the engine, train, publish (docstring)."""
     from transformers import LlamaConfig
 
@@ -259,12 +266,13 @@ def big_child(quick: bool) -> dict[str, Any]:
 
     rng = random.Random(1)
     torch.manual_seed(0)
+    baseline = rss()  # the interpreter, torch and transformers
     t0 = time.perf_counter()
-    shape = LlamaConfig(**SMOLLM2_1P7B)
+    shape = LlamaConfig(**{**SMOLLM2_1P7B, **(shape_overrides or {})})
     model = _random_bf16(shape)
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
-    episodes, prompt, decode = (2, 512, 8) if quick else (4, 1024, 32)
+    episodes, prompt, decode = lengths or ((2, 512, 8) if quick else (4, 1024, 32))
     serving = to_serving_dtype(copy.deepcopy(model), "bfloat16")  # bf16 Linear weights, float32 elsewhere
     engine = LLMEngine(serving, EngineConfig(max_batch_size=episodes, max_seq_len=prompt + decode + 8), eos_token_ids=[0],
                        owns_model=True)  # its Linear weights only in its bf16 panels
@@ -301,6 +309,8 @@ def big_child(quick: bool) -> dict[str, Any]:
     sync_s = time.perf_counter() - t_sync
     step_peak = peak_rss()
     return {"params_b": round(params / 1e9, 3), "build_s": round(build_s, 1), "setup_rss_gb": round(after_setup / GB, 3),
+            "baseline_rss_gb": round(baseline / GB, 3),
+            "setup_bytes_per_param": round((after_setup - baseline) / params, 2),
             "peak_rss_gb": round(peak_rss_lifetime() / GB, 3), "step_peak_rss_gb": round(step_peak / GB, 3),
             "rollout_s": round(roll_s, 1), "train_s": round(train_s, 1), "sync_s": round(sync_s, 1),
             "step_s": round(roll_s + train_s + sync_s, 1), "episodes": episodes,
