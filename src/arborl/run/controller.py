@@ -292,8 +292,9 @@ class Controller:
         publish_s = 0.0
         released = 0
         if samples:
-            # an idle engine's prefix cache (cleared by the publish anyway) and spare KV rows make way for training
-            released = await self.engines.release_memory()
+            # no episode in flight (sync consumption): the engines' prefix caches (cleared by the publish anyway) and
+            # spare KV rows make way for training; an episode between two turns would want its cached history
+            released = await self.engines.release_memory() if not self._running else 0
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
             await asyncio.to_thread(self._record_trainer_logprobs, step, built, episodes)
             if self.mtp is not None:
