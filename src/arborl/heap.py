@@ -4,7 +4,8 @@ glibc keeps a freed block below its (dynamic, up to 32 MB) mmap threshold in the
 a tensor freed after a phase -- the engine's dropped Linear weights, its released KV rows and prefix
 cache, the warm start's optimizer state -- still counts as resident memory until ``malloc_trim`` runs:
 measured on SmolLM2, 0.44 GB of an engine's 2.64 GB after it freed its Linear weights. Called where a
-phase frees a lot, not per step. A no-op where the C library is not glibc.
+phase frees a lot (at most once per weight update), never per token or forward. A no-op where the C
+library is not glibc.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ class SlotKVCache:
     ) -> None:
         self.max_len = max_len
         self.max_slots = slots
-        self.data = _zeros([layers, 2, min(4, slots), kv_heads, min(256, max_len), head_dim], dtype,
-                           torch.device(device))
+        self._first = (min(4, slots), min(256, max_len))  # rows and capacity of the first allocation
+        self.data = _zeros([layers, 2, self._first[0], kv_heads, self._first[1], head_dim], dtype, torch.device(device))
 
     @property
     def capacity(self) -> int:
@@ -52,7 +52,7 @@ class SlotKVCache:
         the bytes freed."""
         before = self.data.nbytes
         shape = list(self.data.shape)
-        shape[2], shape[4] = min(4, self.max_slots), min(256, self.max_len)
+        shape[2], shape[4] = self._first
         self.data = _zeros(shape, self.data.dtype, self.data.device)
         return max(before - self.data.nbytes, 0)
 

@@ -276,7 +276,7 @@ class ModelRunner:
 
     def _held_weights(self, state: dict[str, torch.Tensor]) -> dict[nn.Module, torch.Tensor]:
         """Take out of ``state`` the new weights (and biases, set in place) of modules whose weight lives only
-        in the packs; the new weights by module."""
+        in the packs; the new weights by module. Each must come: the packs are rebuilt whole."""
         held = self.linear.held() if self.linear is not None else {}
         if not held:
             return {}
@@ -285,11 +285,13 @@ class ModelRunner:
             if module not in held:
                 continue
             w = state.pop(f"{name}.weight", None)
-            if w is not None:
-                if tuple(w.shape) != tuple(held[module]):
-                    raise ArborlError(f"update_weights: {name}.weight has shape {tuple(w.shape)}, "
-                                      f"expected {tuple(held[module])}")
-                new[module] = w
+            if w is None:
+                raise ArborlError(f"update_weights: {name}.weight is missing; this engine keeps its Linear weights "
+                                  "only in its packed copies, so an update sends every Linear weight")
+            if tuple(w.shape) != tuple(held[module]):
+                raise ArborlError(f"update_weights: {name}.weight has shape {tuple(w.shape)}, "
+                                  f"expected {tuple(held[module])}")
+            new[module] = w
             b = state.pop(f"{name}.bias", None)
             if b is not None and module.bias is not None:
                 module.bias.copy_(b)
@@ -299,10 +301,6 @@ class ModelRunner:
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         state = dict(state)
         new = self._held_weights(state)
-        missing = [m for m in (self.linear.held() if self.linear is not None else {}) if m not in new]
-        if missing:  # the packs are rebuilt whole, and these modules' weights live nowhere else
-            raise ArborlError(f"update_weights: {len(missing)} Linear weight(s) missing; this engine keeps them only "
-                              "in its packed copies, so an update sends every Linear weight")
         if is_low_precision(self.model):  # int8 / FP8 / bf16 serving copy: re-quantise what arrives (I5)
             load_serving_weights(self.model, state)
             if self.linear is not None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from arborl.engine.cpu_kernels import available as row_kernel_available, has_bf16
 from arborl.engine.row_linear import row_linear, to_bf16_panels, to_int8_panels, to_panels
-from arborl.models.quantize import Bf16Linear, Int8Linear
+from arborl.models.quantize import Bf16Linear, Int8Linear, shared_parameters
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32
@@ -83,14 +83,12 @@ class PackedLinears:
         """Free the packed modules' own weights (their values live in the packs); a weight another module
         shares (an LM head tied to the embedding, which the forward reads) stays, and so does a
         ``Bf16Linear``'s whose oneDNN path reads it. Returns the bytes freed."""
-        uses: dict[int, int] = {}
-        for _, p in self.model.named_parameters(remove_duplicate=False):
-            uses[id(p)] = uses.get(id(p), 0) + 1
+        tied = shared_parameters(self.model)
         freed = 0
         for mods, packed in self._packed.items():
             for m in mods:
                 plain = type(m) is nn.Linear or (type(m) is Bf16Linear and packed.onednn is None)
-                if not plain or m in self._held or uses.get(id(m.weight), 0) > 1:
+                if not plain or m in self._held or id(m.weight) in tied:
                     continue
                 self._held[m] = m.weight.shape
                 freed += m.weight.nbytes

@@ -209,6 +209,15 @@ def _replace_linears(module: nn.Module, make) -> None:
             _replace_linears(child, make)
 
 
+def shared_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters more than one module holds (an LM head tied to the embedding)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
 @torch.no_grad()
 def _float_the_rest(model: nn.Module) -> None:
     """Every floating tensor but a Bf16Linear's weight to float32, one tensor at a time (``model.float()``
@@ -237,10 +246,8 @@ def to_serving_dtype(model: nn.Module, weights_dtype: str) -> nn.Module:
                         "AMX-BF16), where bf16 GEMMs are slower than float32; the engines serve float32")
             return model
         # tensor by tensor (a whole-model model.float() made a float32 copy of a bf16 model's every weight)
-        counts: dict[int, int] = {}
-        for _, p in model.named_parameters(remove_duplicate=False):
-            counts[id(p)] = counts.get(id(p), 0) + 1
-        _replace_linears(model, lambda m: Bf16Linear.convert(m, tied=counts[id(m.weight)] > 1))
+        tied = shared_parameters(model)
+        _replace_linears(model, lambda m: Bf16Linear.convert(m, tied=id(m.weight) in tied))
         _float_the_rest(model)
         return model
     if weights_dtype == "int8":

@@ -63,10 +63,6 @@ def readable(nbytes: float) -> str:
     return f"{nbytes / GB:.2f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
 
 
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
 def _unique(params) -> list[nn.Parameter]:
     seen: dict[int, nn.Parameter] = {}
     for p in params:
@@ -103,7 +99,7 @@ def step_memory(trainer, tokens: int, activation_per_token: float) -> StepMemory
     cfg = trainer.cfg
     every = _unique(list(trainer.model.parameters()) + (list(trainer.ref_model.parameters())
                                                          if trainer.ref_model is not None else []))
-    trainable = [p for p in _unique(trainer.params)]
+    trainable = _unique(trainer.params)
     vocab = trainer.policy.get_input_embeddings().weight.shape[0]
     rows = tokens if cfg.logits_chunk_tokens <= 0 else min(cfg.logits_chunk_tokens, tokens)
     return StepMemory(
@@ -118,7 +114,7 @@ def step_memory(trainer, tokens: int, activation_per_token: float) -> StepMemory
 
 def _local_bytes(params) -> int:
     """Bytes of ``params`` this process holds (a sharded parameter: its local shard)."""
-    return _nbytes([p.to_local() if hasattr(p, "to_local") else p for p in params])
+    return sum(t.numel() * t.element_size() for t in (p.to_local() if hasattr(p, "to_local") else p for p in params))
 
 
 def _cgroup_limit() -> int | None:
