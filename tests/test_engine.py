@@ -386,9 +386,14 @@ def test_an_engine_owning_its_model_keeps_linear_weights_only_in_its_packs(dtype
     keep.update_weights(state, 1)
     own.update_weights(state, 1)
     same()
-    partial = {k: v for k, v in state.items() if "mlp" not in k}
-    with pytest.raises(ArborlError, match="every Linear weight"):
-        own.update_weights(partial, 2)
+    # a partial update (the MLPs left out) keeps the packs of what it leaves out
+    partial = {k: v for k, v in tiny_llama(layers=2, hidden=64, vocab=96, heads=4, kv_heads=2, seed=6,
+                                           tie_embeddings=tie).state_dict().items() if "mlp" not in k}
+    keep.update_weights(partial, 2)
+    own.update_weights(partial, 2)
+    same()
+    with pytest.raises(ArborlError, match="bias without its weight"):
+        own.update_weights({"model.layers.0.mlp.down_proj.bias": torch.zeros(64)}, 3)
 
 
 def test_slot_compaction_after_kv_growth():

@@ -14,12 +14,14 @@ settings against the lean ones, and LoRA RL of a SmolLM2-1.7B-shaped model on th
      the old packed weights alive while the new ones are built;
    - ``after``: the defaults now (logits chunk by chunk, KV rows as sequences run, gradients freed,
      frozen base tensors published by reference, packed weights rebuilt in place, the engine's Linear
-     weights only in its packs, its prefix cache and spare KV rows freed while the trainer trains);
+     weights only in its packs, its prefix cache and spare KV rows freed while the trainer trains, and
+     after RL steps the LoRA adapters alone published, served on the engine's base: train.lora_sync);
    - ``no_ckpt``: ``after`` without activation checkpointing (the job's config has it on): its memory
      and the time checkpointing costs (``ckpt_time_ratio_*``, with / without).
 2. **LoRA GRPO on a SmolLM2-1.7B-shaped model** (its config, random weights built here; bf16 base,
    float32 adapters, activation checkpointing): one full step -- 4 episodes (prompt + decode) on the
-   built-in engine, the GRPO train step on them, the merged weights published to the engine -- with
+   built-in engine, the GRPO train step on them, the adapters published to the engine (which serves them
+   on the base it holds; ``sync_mb``) -- with
    its peak resident memory and the time of each part. ``--quick`` shortens the episodes.
 
 Last line: ``peak_rss_gb_sft``, ``peak_rss_gb_rl`` (after), ``peak_rss_ratio`` (after / before, the job's
@@ -202,7 +204,9 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
         return out
 
     def publish(version: int) -> None:
-        state = trainer.engine_state()
+        # now: a LoRA trainer sends its adapters alone once the engine holds its base (train.lora_sync)
+        adapters = trainer.adapter_state() if not before and version > 1 else None
+        state = adapters if adapters is not None else trainer.engine_state()
         old = None
         if before:  # today: every tensor cloned, and the old packed weights alive while the new are built
             state = {k: v.clone() for k, v in state.items()}
@@ -305,14 +309,16 @@ def big_child(quick: bool, shape_overrides: dict[str, Any] | None = None,
     metrics = trainer.train_step(samples)
     train_s = time.perf_counter() - t_train
     t_sync = time.perf_counter()
-    engine.update_weights(trainer.engine_state(), 1)
+    published = trainer.adapter_state()  # the engine holds the base: the adapters alone (train.lora_sync)
+    engine.update_weights(published, 1)
     sync_s = time.perf_counter() - t_sync
+    sync_mb = sum(v.nbytes for v in published.values()) / 1e6
     step_peak = peak_rss()
     return {"params_b": round(params / 1e9, 3), "build_s": round(build_s, 1), "setup_rss_gb": round(after_setup / GB, 3),
             "baseline_rss_gb": round(baseline / GB, 3),
             "setup_bytes_per_param": round((after_setup - baseline) / params, 2),
             "peak_rss_gb": round(peak_rss_lifetime() / GB, 3), "step_peak_rss_gb": round(step_peak / GB, 3),
-            "rollout_s": round(roll_s, 1), "train_s": round(train_s, 1), "sync_s": round(sync_s, 1),
+            "rollout_s": round(roll_s, 1), "train_s": round(train_s, 1), "sync_s": round(sync_s, 2), "sync_mb": round(sync_mb, 2),
             "step_s": round(roll_s + train_s + sync_s, 1), "episodes": episodes,
             "episode_tokens": prompt + decode, "loss_tokens": metrics.get("train/loss_tokens"),
             "packed_tokens": metrics.get("train/packed_tokens"), "finite_loss": bool(metrics.get("loss/total") == metrics.get("loss/total"))}

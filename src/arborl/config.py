@@ -620,6 +620,14 @@ class TrainConfig(Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="module names LoRA adapts (only with lora_rank > 0)",
     )
+    lora_sync: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="how a LoRA policy reaches the engines after each step. adapters: the base weights once (per "
+        "trainer), then only the adapters (lora_A, lora_B: bytes in proportion to the rank), served by the engine on "
+        "the base it holds, with no merged copy and no repacking of the base; merged: the adapters merged into full "
+        "weights every step. adapters applies where every engine is arborl's in-process engine; other engines "
+        "(vLLM, SGLang, Ray actors) get merged weights. No effect without lora_rank > 0",
+    )
 
 
     @model_validator(mode="after")

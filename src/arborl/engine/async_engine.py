@@ -48,6 +48,9 @@ class AsyncEngine:
     def engine_id(self) -> str:
         return self.engine.engine_id
 
+    # it loads published LoRA adapters (``models.lora``) and serves them on the base it holds
+    serves_adapters = True
+
     @property
     def version(self) -> int:
         return self.engine.version

@@ -13,6 +13,7 @@ from arborl.engine.packed import PackedLinears, packing_available
 from arborl.engine.packed_forward import PackedForward
 from arborl.engine import tree_attention as tree_kernel
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
+from arborl.models.lora import Adapter, split_adapters
 from arborl.models.quantize import has_bf16_linears, is_low_precision, load_serving_weights
 from arborl.types import ArborlError
 
@@ -48,6 +49,7 @@ class ModelRunner:
         # the lean forward over those packed weights where the model is a plain Llama-layout decoder
         self.packed_forward = (PackedForward(model, self.linear)
                                if self.linear is not None and PackedForward.supports(model, self.linear) else None)
+        self._adapter_hooks: list = []  # forward hooks serving adapters on modules without a pack
 
     def _tree_kernel_wanted(self, attention: str) -> bool:
         if attention == "sdpa":
@@ -276,7 +278,7 @@ class ModelRunner:
 
     def _held_weights(self, state: dict[str, torch.Tensor]) -> dict[nn.Module, torch.Tensor]:
         """Take out of ``state`` the new weights (and biases, set in place) of modules whose weight lives only
-        in the packs; the new weights by module. Each must come: the packs are rebuilt whole."""
+        in the packs; the new weights by module (a module not in ``state`` keeps its pack)."""
         held = self.linear.held() if self.linear is not None else {}
         if not held:
             return {}
@@ -285,38 +287,77 @@ class ModelRunner:
             if module not in held:
                 continue
             w = state.pop(f"{name}.weight", None)
+            b = state.pop(f"{name}.bias", None)
             if w is None:
-                raise ArborlError(f"update_weights: {name}.weight is missing; this engine keeps its Linear weights "
-                                  "only in its packed copies, so an update sends every Linear weight")
+                if b is not None:
+                    raise ArborlError(f"update_weights: {name}.bias without its weight; this engine keeps its Linear "
+                                      "weights only in its packed copies, which are rebuilt from the weight")
+                continue
             if tuple(w.shape) != tuple(held[module]):
                 raise ArborlError(f"update_weights: {name}.weight has shape {tuple(w.shape)}, "
                                   f"expected {tuple(held[module])}")
             new[module] = w
-            b = state.pop(f"{name}.bias", None)
             if b is not None and module.bias is not None:
                 module.bias.copy_(b)
         return new
 
+    def _changed_modules(self, state: dict[str, torch.Tensor]) -> set[nn.Module]:
+        """The modules some of whose own parameters ``state`` sets."""
+        owners = {name for key in state for name in (key.rpartition(".")[0],)}
+        return {m for name, m in self.model.named_modules() if name in owners}
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        state = dict(state)
+        """Load ``state`` (any subset of the model's weights: the packs of modules it does not touch stay) and
+        serve the LoRA adapters it carries (``models.lora``'s entries) on top; a state without adapter entries
+        leaves none."""
+        state, adapters = split_adapters(state)
+        self._check_adapters(adapters)
+        changed = self._changed_modules(state)
         new = self._held_weights(state)
         if is_low_precision(self.model):  # int8 / FP8 / bf16 serving copy: re-quantise what arrives (I5)
             load_serving_weights(self.model, state)
-            if self.linear is not None:
-                self.linear.refresh(new)
-            return
-        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
-        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        unknown = sorted(set(state) - set(params))
-        if unknown:
-            raise ArborlError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. {unknown[0]!r}")
-        for name, tensor in state.items():
-            if params[name].shape != tensor.shape:
-                raise ArborlError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
-                )
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
-        if self.linear is not None:
-            self.linear.refresh(new)
+        else:
+            params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+            params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+            unknown = sorted(set(state) - set(params))
+            if unknown:
+                raise ArborlError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. {unknown[0]!r}")
+            for name, tensor in state.items():
+                if params[name].shape != tensor.shape:
+                    raise ArborlError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                    )
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        if self.linear is not None and changed:
+            self.linear.refresh(new, changed)
+        self._serve_adapters(adapters)
+
+    def _check_adapters(self, adapters: dict[str, Adapter]) -> None:
+        modules = dict(self.model.named_modules())
+        for name, ad in adapters.items():
+            m = modules.get(name)
+            if m is None or not hasattr(m, "in_features"):
+                raise ArborlError(f"update_weights: an adapter for {name!r}, which is not a Linear module of the model")
+            if tuple(ad.a.shape[1:]) != (m.in_features,) or ad.b.shape[0] != m.out_features:
+                raise ArborlError(f"update_weights: the adapter of {name} maps {ad.a.shape[1]} -> {ad.b.shape[0]}, "
+                                  f"the module {m.in_features} -> {m.out_features}")
+
+    def _serve_adapters(self, adapters: dict[str, Adapter]) -> None:
+        """Adapters on packed modules ride in their packs; the others (modules the engine runs as they are)
+        add their term through a forward hook."""
+        for handle in self._adapter_hooks:
+            handle.remove()
+        self._adapter_hooks = []
+        by_module = {m: adapters[name] for name, m in self.model.named_modules() if name in adapters}
+        loose = self.linear.set_adapters(by_module) if self.linear is not None else set(by_module)
+        for m in loose:
+            ad = by_module[m]
+            a, b = ad.a.to(self.device), ad.b.to(self.device)
+
+            def hook(module: nn.Module, args: tuple, out: torch.Tensor, a=a, b=b, scale=ad.scale) -> torch.Tensor:
+                x = args[0]
+                return out + ((x.to(a.dtype) @ a.T) @ b.T * scale).to(out.dtype)
+
+            self._adapter_hooks.append(m.register_forward_hook(hook))

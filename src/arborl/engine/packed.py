@@ -18,6 +18,7 @@ from torch import nn
 
 from arborl.engine.cpu_kernels import available as row_kernel_available, has_bf16
 from arborl.engine.row_linear import row_linear, to_bf16_panels, to_int8_panels, to_panels
+from arborl.models.lora import Adapter
 from arborl.models.quantize import Bf16Linear, Int8Linear, shared_parameters
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
@@ -45,6 +46,8 @@ class PackedWeight(NamedTuple):
     sizes: list[int]
     panels: torch.Tensor | None
     scales: torch.Tensor | None = None  # int8 panels' scale per output
+    # the members' LoRA adapters side by side: A [ranks, in], B [outputs, ranks] block-diagonal, scale folded in
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # projections that read the same input, fused into one GEMM (fewer, larger GEMMs pay at decode row counts)
@@ -65,6 +68,7 @@ class PackedLinears:
         self.row_kernel_max_rows = row_kernel_max_rows if row_kernel_max_rows > 0 and row_kernel_available() else 0
         self._packed: dict[tuple[nn.Module, ...], PackedWeight] = {}
         self._held: dict[nn.Module, torch.Size] = {}  # modules whose weight lives only in the packs: its shape
+        self._adapters: dict[nn.Module, Adapter] = {}
         self.refresh()
 
     def __len__(self) -> int:
@@ -103,9 +107,10 @@ class PackedLinears:
         return m.weight.detach()
 
     @torch.no_grad()
-    def refresh(self, weights: dict[nn.Module, torch.Tensor] | None = None) -> None:
+    def refresh(self, weights: dict[nn.Module, torch.Tensor] | None = None, changed: set[nn.Module] | None = None) -> None:
         """Reorder the current weights (at start and after a weight update: never read in place later);
-        ``weights``: the new weights of modules whose own were freed (``held``), float32 values."""
+        ``weights``: the new weights of modules whose own were freed (``held``), float32 values;
+        ``changed``: the modules whose weights changed (None: all), the other groups keep their packs."""
         groups: list[tuple[nn.Module, ...]] = []
         fused: set[nn.Module] = set()
         for layer in getattr(getattr(self.model, "model", None), "layers", []):
@@ -116,9 +121,38 @@ class PackedLinears:
                     groups.append(mods)
                     fused.update(mods)
         groups += [(m,) for m in self.model.modules() if (_plain(m) or self._int8(m)) and m not in fused]
-        self._packed = {}  # the old set goes before the new one is built: one set of packed weights at a time
+        # each old pack goes before its replacement is built: one set of packed weights at a time
+        old, self._packed = self._packed, {}
         for mods in groups:
-            self._packed[mods] = self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods, weights or {})
+            kept = old.pop(mods, None)
+            if kept is None or changed is None or changed.intersection(mods):
+                del kept
+                kept = self._pack_int8(mods) if self._int8(mods[0]) else self._pack(mods, weights or {})
+            self._packed[mods] = kept._replace(lora=self._group_lora(mods))
+
+    def set_adapters(self, adapters: dict[nn.Module, Adapter]) -> set[nn.Module]:
+        """Serve ``adapters`` (module -> LoRA adapter; replaces the previous set) on top of the packed base
+        weights, which stay as they are. Returns the adapted modules that no pack holds (run as modules)."""
+        self._adapters = dict(adapters)
+        for mods, packed in self._packed.items():
+            self._packed[mods] = packed._replace(lora=self._group_lora(mods))
+        packed_mods = {m for mods in self._packed for m in mods}
+        return set(adapters) - packed_mods
+
+    def _group_lora(self, mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ads = [self._adapters.get(m) for m in mods]
+        if not any(ads):
+            return None
+        a = torch.cat([ad.a.float() for ad in ads if ad is not None])
+        b = a.new_zeros(sum(m.out_features for m in mods), a.shape[0])
+        row = col = 0
+        for m, ad in zip(mods, ads):
+            if ad is not None:
+                r = ad.a.shape[0]
+                b[row : row + m.out_features, col : col + r] = ad.b.float() * ad.scale
+                col += r
+            row += m.out_features
+        return a, b
 
     def _int8(self, m: nn.Module | None) -> bool:
         """An int8 Linear the row kernel runs (at every row count); without the kernel it runs as it is."""
@@ -157,10 +191,15 @@ class PackedLinears:
         ``row_kernel_max_rows`` rows (bf16 panels: every row count), oneDNN above (its ``add`` post-op
         for the residual)."""
         if self.uses_panels(packed, x.shape[0]):
-            return row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual, packed.scales)
-        if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed.onednn, packed.bias, "add")
+            out = row_linear(x, packed.panels, sum(packed.sizes), packed.bias, residual, packed.scales)
+        elif residual is None:
+            out = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, packed.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed.onednn, packed.bias, "add")
+        if packed.lora is not None:  # the adapters' low-rank term on top of the base weights
+            a, b = packed.lora
+            out.addmm_(x @ a.T, b.T)
+        return out
 
     def __call__(self, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         packed = self._packed.get(mods)

@@ -108,6 +108,12 @@ class EnginePool:
         async with ctx:
             await asyncio.gather(*(e.update_weights(state, version) for e in self.engines))
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether every engine loads published LoRA adapters itself (``serves_adapters``; arborl's in-process
+        engine), so a LoRA trainer may publish its adapters alone once the base is there."""
+        return bool(self.engines) and all(getattr(e, "serves_adapters", False) for e in self.engines)
+
     async def release_memory(self) -> int:
         """Every idle engine frees its prefix cache and spare KV rows (``EngineFace.release_memory``); the
         bytes freed in this process."""

@@ -26,7 +26,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arborl.agents import AGENTS, run_agent
 from arborl.agents.served import serve_http, serve_unix
@@ -46,6 +46,9 @@ from arborl.train.samples import build_samples, call_token_values
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError, Episode, EpisodeStatus, Sample, Task
 from arborl.workers import RemoteAgent, WorkerPool
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_LOCKED_DRAWS = 64  # batches of locked tasks in a row before the curriculum is declared unsatisfiable
 
@@ -74,6 +77,8 @@ class Controller:
         self.suite = suite
         self.make_agent = AGENTS.get(cfg.rollout.agent)
         self.version = version
+        self.published_bytes = 0  # the last publish's tensors (under lora_sync=adapters: the adapters)
+        self._base_of: object | None = None  # the trainer whose base weights the engines hold (lora_sync=adapters)
         self.policy = make_consume(cfg.scheduling, cfg.rollout.batch_tasks, version=version)
         self._running: dict[str, asyncio.Task] = {}  # group id -> its episodes in flight
         self._finished: dict[str, list[Episode]] = {}  # finished groups not yet consumed
@@ -250,12 +255,29 @@ class Controller:
         """Send the trainer's weights to every engine as version + 1; returns seconds."""
         assert self.trainer is not None
         t0 = time.perf_counter()
-        state = await asyncio.to_thread(self.trainer.engine_state)
+        state = await asyncio.to_thread(self._policy_state)
         if self.mtp is not None:
             state = {**state, **self.mtp.state()}
         self.version += 1
+        self.published_bytes = sum(v.nbytes for v in state.values())
         await self.engines.update_weights(state, self.version)
         return time.perf_counter() - t0
+
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """What the engines load as the next version: under LoRA with ``train.lora_sync=adapters`` and engines
+        that serve adapters, the adapters alone once this trainer's base is there (its base with them the first
+        time: a new trainer -- after a full fine-tuning warm start, on resume -- brings a new base); else
+        the whole policy, adapters merged in."""
+        adapters = getattr(self.trainer, "adapter_state", None)
+        if self.cfg.train.lora_sync != "adapters" or adapters is None or not self.engines.serves_adapters:
+            return self.trainer.engine_state()
+        state = adapters()
+        if state is None:  # no LoRA
+            return self.trainer.engine_state()
+        if self._base_of is not self.trainer:
+            state = {**self.trainer.base_state(), **state}
+            self._base_of = self.trainer
+        return state
 
     def _record_trainer_logprobs(self, step: int, samples: list[Sample], episodes: list[Episode]) -> None:
         """The trainer's per-token log-probs of the step's calls into the data pool, keyed by call and
@@ -289,7 +311,7 @@ class Controller:
             samples, masked = [x for x, _ in out], sum(n for _, n in out)
         gap = max((self.version - v for v in (e.min_version() for e in episodes) if v is not None), default=0)
         train_metrics: dict[str, float] = {}
-        publish_s = 0.0
+        publish_s, self.published_bytes = 0.0, 0
         released = 0
         if samples:
             # no episode in flight (sync consumption): the engines' prefix caches (cleared by the publish anyway) and
@@ -333,6 +355,7 @@ class Controller:
             "rollout_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
             "train_s": train_metrics.get("train/step_s", 0.0),
             "publish_s": publish_s,
+            "publish_mb": self.published_bytes / 1e6,
             "step_s": step_s,
             "memory/engine_released_gb": released / 1e9,
             "policy_version": self.version,

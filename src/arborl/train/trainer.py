@@ -45,12 +45,13 @@ from torch.nn.utils.rnn import pad_sequence
 
 from arborl.config import TrainConfig
 from arborl.models.forward import DecoderShape
+from arborl.models.lora import Adapter, adapter_entries, merge
 from arborl.prefix import RadixTree
 from arborl.train.corrections import decoupled_weights, rollout_correction
 from arborl.train.losses import policy_loss, resolve_loss
 from arborl.train.memory import StepMemory, activation_bytes_per_token, check_fits, held_bytes, step_memory
 from arborl.train.packing import PackedBatch, pack, packed_logprobs
-from arborl.types import InvalidRequestError, Sample
+from arborl.types import ArborlError, InvalidRequestError, Sample
 
 
 def micro_batches(
@@ -101,6 +102,11 @@ def _per_token(samples: list[Sample], field: str | Callable[[Sample], list], dty
 
 
 SUMMED = ("loss/total", "loss/pg")  # already normalised by the whole (mini)batch: micro-batch parts add up
+
+
+def _plain_name(key: str) -> str:
+    """A peft-wrapped module's parameter name as the plain model names it."""
+    return key.replace(".base_layer.", ".")
 
 
 def _merge_metrics(acc: dict[str, list[tuple[float, float]]], summed: tuple[str, ...] = SUMMED) -> dict[str, float]:
@@ -402,11 +408,40 @@ class Trainer:
 
         if self.cfg.lora_rank == 0:
             return {k: snapshot(v) for k, v in self.model.state_dict().items()}
+        state = {k: snapshot(v) for k, v in self.policy.state_dict().items() if "lora_" not in k}
+        for name, adapter in self._adapters().items():
+            key = f"{name}.base_layer.weight"
+            state[key] = merge(state[key], adapter)  # a new tensor: the base stays
+        return {_plain_name(k): v for k, v in state.items()}
+
+    def _adapters(self) -> dict[str, Adapter]:
+        """The LoRA adapters by their module's name in ``policy`` (views of the live parameters)."""
         from peft.tuners.lora import LoraLayer
 
-        state = {k: snapshot(v) for k, v in self.policy.state_dict().items() if "lora_" not in k}
+        out: dict[str, Adapter] = {}
         for name, module in self.policy.named_modules():
-            if isinstance(module, LoraLayer):
-                key = f"{name}.base_layer.weight"
-                state[key] = state[key] + module.get_delta_weight("default")  # a new tensor: the base stays
-        return {k.replace(".base_layer.", "."): v for k, v in state.items()}
+            if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                if getattr(module, "fan_in_fan_out", False):
+                    raise ArborlError(f"{name}: a fan-in-fan-out LoRA layer (Conv1D) is not served as an adapter")
+                out[name] = Adapter(module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
+                                    float(module.scaling["default"]))
+        return out
+
+    @torch.no_grad()
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """Under LoRA: copies of the adapters only (``models.lora``'s published form, plain module names),
+        which an engine that serves adapters applies on the base it holds; None without LoRA."""
+        if self.cfg.lora_rank == 0:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for name, ad in self._adapters().items():
+            out.update(adapter_entries(_plain_name(name), Adapter(ad.a.clone(), ad.b.clone(), ad.scale)))
+        return out
+
+    @torch.no_grad()
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """Under LoRA: the frozen base weights under plain names, by reference (never written); else the
+        whole model's weights, copied as in ``engine_state``."""
+        if self.cfg.lora_rank == 0:
+            return self.engine_state()
+        return {_plain_name(k): v.detach() for k, v in self.policy.state_dict().items() if "lora_" not in k}
