@@ -371,3 +371,31 @@ def test_draft_model_path_of_another_vocabulary_or_tokenizer_is_refused(tmp_path
     cfg.spec.draft_model_path = str(tmp_path / "other-tok")
     with pytest.raises(DraftModelError, match="tokenizer is not the policy's \\(2 tokens have another id"):
         LLMEngine(policy, cfg, eos_token_ids=[0], tokenizer=tok)
+
+
+@pytest.mark.parametrize("params", [greedy(48), SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_prompt_lookup_drafts_are_lossless(params, monkeypatch):
+    """engine.spec.prompt_lookup: the request's own most recent match adds a path to the group's drafts;
+    greedy tokens, sampled tokens (position-keyed draws, same seed) and log-probs are plain decoding's."""
+    import arborl.engine.spec.suffix as suffix
+
+    proposed = []
+    real = suffix.lookup_path
+
+    def counting(*a, **kw):
+        out = real(*a, **kw)
+        proposed.append(len(out))
+        return out
+
+    monkeypatch.setattr(suffix, "lookup_path", counting)
+    model = make_model()
+    span = prompt(3, 10)  # a "file" the prompt holds twice, as an agent's context repeats what it read
+    reqs = lambda: [GenerateRequest(prompt(i, 6) + span + prompt(10 + i, 4) + span[:5], replace(params, seed=70 + i),
+                                    request_id=f"p{i}", group_id="grp") for i in range(4)]
+    plain = serve(make_engine(model, spec=False, batch=2), reqs())
+    # 1-token matches: a tiny random model does not re-type its prompt, but its tokens recur
+    eng = make_engine(model, num_tokens=4, batch=2, prompt_lookup=True, min_match=1)
+    eng.spec.drafter.groups = type(eng.spec.drafter.groups)(8)
+    assert_same(plain, serve(eng, reqs()))
+    assert sum(1 for n in proposed if n) >= 10 and eng.spec.metrics.drafts > 0

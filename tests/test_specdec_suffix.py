@@ -130,6 +130,33 @@ def test_group_stores_keep_the_most_recent_groups():
     assert stores.get("b", 2) is not None and len(stores.get("b", 2).streams) == 0  # b was dropped
 
 
+def test_prompt_lookup_adds_the_requests_own_most_recent_continuation_beside_the_groups_vote():
+    """Three siblings wrote ``a b -> x y z``; this request's own text (a file it read) has ``a b -> p q r``
+    last. The group's vote drafts x y z; prompt lookup adds p q r as a second path of the tree; without a
+    group (or with group_trees off) the own store is the draft store and lookup adds its latest match."""
+    a, b = 50, 51
+    cfg = SpecConfig(enabled=True, min_match=2)
+    for knob, expect in ((False, [[60, 61, 62]]), (True, [[60, 61, 62], [70, 71, 72]])):
+        d = SuffixDrafter(cfg.model_copy(update={"prompt_lookup": knob}), GroupStores(4))
+        for i in range(3):
+            done = seq([10 + i, 2, a, b, 60, 61, 62, 9], f"s{i}", "g")  # prompts that differ: each indexed
+            d.sync(done)
+            d.release(done)
+        me = seq([3, 4, a, b, 70, 71, 72, 5, a, b], "me", "g")
+        d.sync(me)
+        draft = d.propose([me], 3)[0]
+        assert draft.depth() == 3 and len(draft) == 3 * len(expect)
+        want = Draft.from_paths(expect)
+        assert (draft.tokens, draft.parents) == (want.tokens, want.parents)
+        d.release(me)
+        assert "me" not in d._own  # a finished request's own store goes with it
+    # own tokens only: the vote over its two occurrences and lookup's most recent one agree, no duplicate path
+    d = SuffixDrafter(cfg.model_copy(update={"prompt_lookup": True, "group_trees": False}), GroupStores(4))
+    me = seq([a, b, 70, 71, 72, 5, a, b], "solo")
+    d.sync(me)
+    assert d.propose([me], 3)[0].tokens == [70, 71, 72]
+
+
 def test_suffix_knobs_change_the_drafts():
     stream = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 8]
 

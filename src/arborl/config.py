@@ -79,6 +79,11 @@ class SpecConfig(Section):
         True, description="suffix drafter: also draft from the tokens of the request's GRPO group siblings (Seer)"
     )
     num_paths: int = Field(1, ge=1, le=16, description="suffix drafter: candidate paths verified per sequence (top-k multi-path)")
+    prompt_lookup: bool = Field(
+        False, description="suffix drafter: also propose, as one more path of the verify tree, what followed the most "
+        "recent longest match of the context in the request's own tokens (prompt lookup: an agent rewriting a span "
+        "re-types text it just read, where the group's vote may prefer a sibling's words). Off: the group's vote alone",
+    )
     max_match: int = Field(16, ge=1, description="suffix drafter: longest context suffix matched (tokens)")
     min_match: int = Field(2, ge=1, description="suffix drafter: shortest context suffix that may propose a draft (tokens)")
     fallback_tokens: int = Field(

@@ -199,45 +199,74 @@ def draft_paths(conts: list[list[int]], k: int, num_paths: int, min_prob: float)
     return paths
 
 
-def suffix_draft(store: TokenStore, context: list[int], k: int, config: SpecConfig, num_paths: int | None = None) -> Draft:
-    """The draft (up to ``k`` tokens deep) that ``store`` proposes after ``context``: from the longest
-    suffix match, else (``fallback_tokens``) a short single path from the context's last token."""
+def suffix_paths(store: TokenStore, context: list[int], k: int, config: SpecConfig, num_paths: int | None = None) -> list[list[int]]:
+    """The candidate paths (up to ``k`` tokens deep) that ``store`` proposes after ``context``: from the
+    longest suffix match, else (``fallback_tokens``) a short single path from the context's last token."""
     paths = config.num_paths if num_paths is None else num_paths
     conts = store.continuations(context, k, config.max_match)
     if conts:
-        return Draft.from_paths(draft_paths(conts, k, paths, config.min_prob))
+        return draft_paths(conts, k, paths, config.min_prob)
     if config.fallback_tokens and context:
         fb = min(k, config.fallback_tokens)
-        return Draft.from_paths(draft_paths(store.followers(context[-1], fb), fb, 1, max(config.min_prob, FALLBACK_MIN_PROB)))
-    return Draft()
+        return draft_paths(store.followers(context[-1], fb), fb, 1, max(config.min_prob, FALLBACK_MIN_PROB))
+    return []
+
+
+def suffix_draft(store: TokenStore, context: list[int], k: int, config: SpecConfig, num_paths: int | None = None) -> Draft:
+    """``suffix_paths`` as one draft tree."""
+    return Draft.from_paths(suffix_paths(store, context, k, config, num_paths))
+
+
+def lookup_path(store: TokenStore, context: list[int], k: int, max_match: int) -> list[int]:
+    """Prompt lookup: the (up to) ``k`` tokens that followed the most recent occurrence of the context's
+    longest matching suffix in ``store`` (the request's own tokens), no vote: an agent that rewrites a span
+    re-types what it read last, where the group's vote may favour another member's words."""
+    conts = store.continuations(context, k, max_match)
+    return conts[0] if conts else []
 
 
 class SuffixDrafter:
     def __init__(self, config: SpecConfig, groups: GroupStores | None = None) -> None:
         self.config = config
         self.groups = groups if groups is not None else shared_group_stores(config.max_groups)
-        self._fed: dict[str, int] = {}  # request id -> tokens of it already in its store
-        self._own: dict[str, TokenStore] = {}  # requests drafting from their own tokens only
+        self._fed: dict[str, int] = {}  # request id -> tokens of it already in its store(s)
+        self._own: dict[str, TokenStore] = {}  # each request's own tokens (drafting without a group; prompt lookup)
 
-    def store_of(self, seq: Sequence) -> TokenStore:
-        gid = seq.request.group_id
-        if self.config.group_trees and gid:
-            return self.groups.get(gid, self.config.min_match)
+    def _own_store(self, seq: Sequence) -> TokenStore:
         store = self._own.get(seq.request_id)
         if store is None:
             store = self._own[seq.request_id] = TokenStore(self.config.min_match)
         return store
+
+    def _grouped(self, seq: Sequence) -> bool:
+        return bool(self.config.group_trees and seq.request.group_id)
+
+    def store_of(self, seq: Sequence) -> TokenStore:
+        if self._grouped(seq):
+            return self.groups.get(seq.request.group_id, self.config.min_match)
+        return self._own_store(seq)
 
     def sync(self, seq: Sequence) -> None:
         rid = seq.request_id
         fed = self._fed.get(rid, 0)
         toks = seq.tokens
         if fed < len(toks):
-            self.store_of(seq).extend(rid, toks[fed:], len(seq.request.prompt_token_ids))
+            plen = len(seq.request.prompt_token_ids)
+            self.store_of(seq).extend(rid, toks[fed:], plen)
+            if self.config.prompt_lookup and self._grouped(seq):  # the own tokens beside the group's
+                self._own_store(seq).extend(rid, toks[fed:], plen)
             self._fed[rid] = len(toks)
 
     def propose(self, seqs: list[Sequence], k: int) -> list[Draft]:
-        return [suffix_draft(self.store_of(seq), seq.tokens, k, self.config) for seq in seqs]
+        return [self._draft(seq, k) for seq in seqs]
+
+    def _draft(self, seq: Sequence, k: int) -> Draft:
+        paths = suffix_paths(self.store_of(seq), seq.tokens, k, self.config)
+        if self.config.prompt_lookup:
+            own = lookup_path(self._own_store(seq), seq.tokens, k, self.config.max_match)
+            if own and not any(p[: len(own)] == own for p in paths):
+                paths.append(own)  # one more path of the verify tree (its shared prefix counted once)
+        return Draft.from_paths(paths)
 
     def release(self, seq: Sequence) -> None:
         self.sync(seq)
