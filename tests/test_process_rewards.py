@@ -116,3 +116,43 @@ def test_auto_picks_reward_to_go_for_process_rewards():
     rtg, _ = build_samples(eps, AdvantageConfig(estimator="reward_to_go", gamma=0.5))
     assert [s.advantages for s in auto] == [s.advantages for s in rtg]
     assert "auto" in ADVANTAGE_ESTIMATORS and torch.is_tensor(torch.tensor(auto[0].advantages))
+
+
+def test_partial_credit_components_lift_the_reward_but_not_success():
+    """shaping.component_weights: code_repair's tests_passed_frac gives an episode passing 3 of 4 hidden tests
+    more reward than one that breaks the repository; its success (outcome) is unchanged, and so is who counts
+    as successful for the speed reward."""
+    from arborl.rewards.shaping import task_reward
+
+    three_of_four = {"outcome": 0.0, "tests_passed_frac": 0.75}
+    broken = {"outcome": 0.0, "tests_passed_frac": 0.0}
+    solved = {"outcome": 1.0, "tests_passed_frac": 1.0}
+    w = {"tests_passed_frac": 0.5}
+    assert [task_reward(c, {}) for c in (three_of_four, broken, solved)] == [0.0, 0.0, 1.0]
+    assert [task_reward(c, w) for c in (three_of_four, broken, solved)] == [0.375, 0.0, 1.5]
+    assert task_reward({"outcome": 1.0}, w) == 1.0  # not reported: counts 0
+    # a partial episode with a large weight reaches reward 1 without success: the speed reward still skips it
+    partial = episode("p", "g", task_reward(three_of_four, {"tests_passed_frac": 2.0}), gen=(1, 1))
+    partial.reward_components = three_of_four
+    eps = [episode("a", "g", 1.0, gen=(2, 1)), episode("b", "g", 1.0, gen=(4, 2)), partial]
+    shaped, _ = shaped_rewards(eps, RewardShapingConfig(speed_weight=0.5))
+    assert shaped[2] == pytest.approx(1.5)  # its reward, no speed term although it was the fastest
+    # and the groups' advantages now tell the partial episode from the broken one
+    eps = [episode("x", "g", task_reward(three_of_four, w)), episode("y", "g", task_reward(broken, w))]
+    samples, _ = build_samples(eps, AdvantageConfig(estimator="grpo"))
+    assert turn_values(samples[0])[1] > 0 > turn_values(samples[1])[1]
+
+
+def test_component_weights_reach_a_runs_episode_rewards(tmp_path):
+    """The knob through a real run: even_tokens reports its outcome only, so weighting ``outcome`` once more
+    doubles every episode's reward in the data pool."""
+    from arborl.datapool import DataPool
+    from arborl.run.job import train
+    from helpers.tiny_run import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "partial", "rollout.steps=1", "train.advantage.shaping.component_weights={outcome: 1.0}")
+    train(cfg)
+    with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
+        eps = [e for e in pool.episodes(with_calls=False) if e.reward_components]
+    assert eps and any(e.reward_components["outcome"] > 0 for e in eps)
+    assert all(e.reward == pytest.approx(2 * e.reward_components["outcome"]) for e in eps)

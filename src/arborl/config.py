@@ -294,6 +294,13 @@ class RewardShapingConfig(Section):
         "(0 = off; reward units per speed unit)"
     )
     outcome_weight: float = Field(1.0, ge=0, description="w_o: weight of the task's outcome reward (reward units)")
+    component_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="the task's other reward components added to its outcome R, each times its weight: e.g. "
+        "{tests_passed_frac: 0.5} gives code_repair partial credit for the hidden tests an episode passes (an episode "
+        "passing 3 of 4 scores above one that breaks the repository). A component the task does not report counts 0; "
+        "success (outcome >= 1) is unchanged. {} = the outcome alone",
+    )
     speed_metric: Literal["wall_time", "turns", "tokens"] = Field(
         "tokens", description="what completion time counts for the speed reward: the episode's wall seconds, its "
         "model calls, or its generated tokens"

@@ -28,6 +28,13 @@ from arborl.rewards.advantages import GroupIds, group_index
 from arborl.rewards.outcome import turn_rewards
 
 
+def task_reward(components: dict[str, float], weights: dict[str, float]) -> float:
+    """The episode's reward R from the components its task reported: ``outcome`` plus each weighted
+    component (``shaping.component_weights``, e.g. ``tests_passed_frac``: partial credit); a component the
+    task did not report counts 0."""
+    return float(components.get("outcome", 0.0)) + sum(w * float(components.get(k, 0.0)) for k, w in weights.items())
+
+
 def speed_rewards(costs: Sequence[float], group_ids: GroupIds, eligible: Sequence[bool] | None = None) -> list[float]:
     """Completion-time reward s_i of each episode (module docstring); ``eligible`` None = every episode."""
     n = len(costs)

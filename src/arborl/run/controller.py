@@ -34,6 +34,7 @@ from arborl.config import Config, JudgeConfig
 from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
+from arborl.rewards.shaping import task_reward
 from arborl.scheduling.consume import make_consume
 from arborl.scheduling.curriculum import Curriculum, CurriculumError
 from arborl.scheduling.partial import mask_stale
@@ -150,7 +151,7 @@ class Controller:
                 episode.meta = meta
         episode.status = run.status
         episode.reward_components = components
-        episode.reward = float(components.get("outcome", 0.0))
+        episode.reward = task_reward(components, self.cfg.train.advantage.shaping.component_weights)
         await asyncio.to_thread(self.datapool.update_episode, run.episode_id, reward=episode.reward,
                                 reward_components=components, meta=meta)
         return episode

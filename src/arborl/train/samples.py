@@ -177,7 +177,9 @@ def shaped_rewards(episodes: Sequence[Episode], shaping: RewardShapingConfig) ->
     speed = [0.0] * len(episodes)
     if shaping.speed_weight > 0:
         costs = [completion_cost(e, shaping.speed_metric) for e in episodes]
-        eligible = [o >= 1.0 for o in outcome] if shaping.speed_success_only else None
+        # success is the task's outcome, not the reward (which partial credit may lift to 1 without it)
+        eligible = ([float(e.reward_components.get("outcome", e.reward or 0.0)) >= 1.0 for e in episodes]
+                    if shaping.speed_success_only else None)
         speed = speed_rewards(costs, [e.group_id for e in episodes], eligible)
     shaped, turns = [], []
     for e, o, sp in zip(episodes, outcome, speed):
