@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "arborl_bench.cluster_bench:run",
     "parallel": "arborl_bench.parallel_bench:run",
     "memory": "arborl_bench.memory_bench:run",
+    "progress": "arborl_bench.progress_bench:run",
 }
 
 

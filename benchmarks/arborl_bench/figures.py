@@ -105,6 +105,14 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("lora_1p7b_peak_rss_gb", "LoRA GRPO step of a 1.7B-shaped model, peak", "GB", "memory"),
         _f("lora_1p7b_step_s", "LoRA GRPO step of a 1.7B-shaped model, time", "s", "memory"),
     ],
+    "progress": [
+        _f("time_to_target_ratio", "code-repair RL: stack / baseline time to the baseline's final success", "x", "progress"),
+        _f("step_time_ratio", "code-repair RL step time, stack / baseline", "x", "progress"),
+        _f("rollout_tokens_per_s_ratio", "code-repair rollout tokens/s, stack / baseline", "x", "progress"),
+        _f("spec_acceptance_length", "speculative acceptance length on the job's generations", "tokens", "progress"),
+        _f("baseline_final_success_mean", "baseline's final held-out success", "frac", "progress"),
+        _f("stack_final_success_mean", "stack's final held-out success", "frac", "progress"),
+    ],
     "cluster": [
         _f("faults_injected", "faults injected", "count", "Ray"),
         _f("episodes_lost", "episodes lost", "count", "Ray"),

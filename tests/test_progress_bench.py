@@ -1,0 +1,57 @@
+"""``arborl bench progress``: its configurations are valid configs of the job, its time split sums to the
+steps' wall time, time to target reads the first evaluation at or above it. (The bench itself runs the real
+job for tens of minutes: `arborl bench progress --quick`, not here.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from arborl.config import load_config
+from arborl_bench import BENCHMARKS
+from arborl_bench.progress_bench import JOB, LEVERS, STACK, configurations, mean_se, summarise, time_to
+
+
+def test_every_configuration_is_a_valid_config_of_the_job_and_turns_its_lever_on():
+    assert "progress" in BENCHMARKS
+    base = load_config(JOB, [])
+    quick = configurations(quick=True)
+    assert [(n, s) for n, _, s in quick] == [("baseline", 0), ("stack", 0)]
+    full = configurations(quick=False)
+    assert sum(n == "baseline" for n, _, _ in full) == 3 and sum(n == "stack" for n, _, _ in full) == 3
+    assert {n for n, _, _ in full} == {"baseline", "stack", *LEVERS}
+    for name, over, _ in full:
+        cfg = load_config(JOB, over)
+        assert (cfg.model_dump() == base.model_dump()) == (not over), name
+    stack = load_config(JOB, STACK)
+    assert stack.engine.spec.enabled and stack.engine.spec.prompt_lookup
+    assert stack.scheduling.consume == "async_ratio"
+    assert stack.train.advantage.shaping.component_weights == {"tests_passed_frac": 0.5}
+
+
+def rows() -> list[dict]:
+    steps = [{"kind": "step", "step": i, "step_s": 10.0 + i, "rollout_s": 6.0, "train_s": 3.0, "publish_s": 0.5,
+              "generated_tokens": 100 * i, "rollout_tokens_per_s": 50.0, "spec/spec_mean_acceptance_length": 2.0 + i}
+             for i in (1, 2, 3, 4)]
+    evals = [{"kind": "eval", "step": s, "split": split, "eval_success": v}
+             for s, v in ((0, 0.4), (2, 0.5), (4, 0.6)) for split in ("eval", "eval_perturbed")]
+    return [evals[0], evals[1], *steps[:2], evals[2], evals[3], *steps[2:], evals[4], evals[5]]
+
+
+def test_the_time_split_sums_to_the_steps_wall_time_and_the_curve_is_on_training_time():
+    r = summarise("baseline", 0, rows(), peak=3_000_000_000, wall=99.0)
+    split = r["time_split_s"]
+    assert split["rollout_s"] + split["train_s"] + split["publish_s"] + split["other_s"] == pytest.approx(split["step_s"])
+    assert split["step_s"] == pytest.approx(11 + 12 + 13 + 14) and split["other_s"] == pytest.approx(50 - 4 * 9.5)
+    assert r["curve"]["eval"] == [(0, 0.0, 0, 0.4), (2, 23.0, 300, 0.5), (4, 50.0, 1000, 0.6)]
+    assert r["success_before"] == {"eval": 0.4, "eval_perturbed": 0.4}
+    assert r["success_final"] == {"eval": 0.6, "eval_perturbed": 0.6}
+    assert r["rollout_tokens_per_s"] == 50.0 and r["spec_acceptance_length"] == pytest.approx(4.5)
+    assert r["peak_rss_gb"] == 3.0
+    assert time_to(r, 0.5) == 23.0 and time_to(r, 0.6) == 50.0 and time_to(r, 0.61) is None
+    assert time_to(r, 0.3) == 23.0  # the evaluation before RL never counts as reaching it
+
+
+def test_mean_and_standard_error():
+    assert mean_se([1.0]) == (1.0, 0.0)
+    m, se = mean_se([1.0, 2.0, 3.0])
+    assert m == 2.0 and se == pytest.approx((1.0 / 3) ** 0.5)
