@@ -55,3 +55,9 @@ def test_mean_and_standard_error():
     assert mean_se([1.0]) == (1.0, 0.0)
     m, se = mean_se([1.0, 2.0, 3.0])
     assert m == 2.0 and se == pytest.approx((1.0 / 3) ** 0.5)
+
+
+def test_only_picks_levers_beside_the_baseline_and_refuses_unknown_names():
+    assert [n for n, _, _ in configurations(quick=True, only="spec, async")] == ["baseline", "spec", "async"]
+    with pytest.raises(ValueError, match="unknown configuration"):
+        configurations(quick=True, only="warp")

@@ -55,9 +55,17 @@ LEVERS: dict[str, list[str]] = {
 STACK = SPEC + ASYNC + PARTIAL
 
 
-def configurations(quick: bool) -> list[tuple[str, list[str], int]]:
-    """(name, overrides, seed) of every run, in the order they run."""
+def configurations(quick: bool, only: str = "") -> list[tuple[str, list[str], int]]:
+    """(name, overrides, seed) of every run, in the order they run. ``only`` (``ARBORL_PROGRESS_ONLY``): a
+    comma-separated choice among the stack and the levers, run one seed each beside the baseline."""
     seeds = [0] if quick else [0, 1, 2]
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        known = {"stack": STACK, **LEVERS}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"ARBORL_PROGRESS_ONLY: unknown configuration(s) {unknown}; choose from {sorted(known)}")
+        return [("baseline", [], 0)] + [(n, known[n], 0) for n in names]
     runs = [("baseline", [], s) for s in seeds] + [("stack", STACK, s) for s in seeds]
     if not quick:
         runs += [(name, over, 0) for name, over in LEVERS.items()]
@@ -259,14 +267,14 @@ def run(quick: bool, console) -> dict:
     sft = sft_checkpoint(console)
     steps, every = (4, 0) if quick else (16, 4)
     results: list[dict[str, Any]] = []
-    for name, over, seed in configurations(quick):
+    for name, over, seed in configurations(quick, os.environ.get("ARBORL_PROGRESS_ONLY", "")):
         console.print(f"{name} (seed {seed}): {' '.join(over) or 'the job as configured'} ...")
         results.append(run_one(name, over, seed, sft, steps, every))
         (RUNS / "results.json").write_text(json.dumps(results, indent=1))
     by = {}
     for r in results:
         by.setdefault(r["config"], []).append(r)
-    base, stack = by["baseline"], by["stack"]
+    base, stack = by["baseline"], by.get("stack", [])
     target = mean_se([r["success_final"]["eval"] for r in base])[0]
     table = Table(title=f"code-repair RL from one SFT checkpoint, {steps} steps (target: baseline's final {target:.3f})")
     for col in ("config", "seeds", "final eval", "final perturbed", "step s", "rollout tok/s", "accept len",
@@ -293,22 +301,24 @@ def run(quick: bool, console) -> dict:
     reached = [t for t in stack_t if t is not None]
     ratio = (sum(reached) / len(reached)) / (sum(t for t in base_t if t is not None) / max(1, sum(t is not None for t in base_t))) \
         if reached and len(reached) == len(stack_t) and any(t is not None for t in base_t) else None
-    tps = lambda rs: sum(r["rollout_tokens_per_s"] or 0 for r in rs) / len(rs)  # noqa: E731
+    tps = lambda rs: sum(r["rollout_tokens_per_s"] or 0 for r in rs) / len(rs) if rs else 0.0  # noqa: E731
+    step = lambda rs: sum(r["step_s_mean"] for r in rs) / len(rs)  # noqa: E731
     acc = [r["spec_acceptance_length"] for r in stack if r["spec_acceptance_length"]]
     return {
         "steps": steps, "seeds_baseline": len(base), "seeds_stack": len(stack), "target_success": round(target, 3),
         "time_to_target_ratio": round(ratio, 3) if ratio is not None else None,
         "stack_reached_target": sum(t is not None for t in stack_t),
-        "step_time_ratio": round(sum(r["step_s_mean"] for r in stack) / sum(r["step_s_mean"] for r in base) * len(base) / len(stack), 3),
-        "rollout_tokens_per_s_ratio": round(tps(stack) / tps(base), 3) if tps(base) else None,
+        "step_time_ratio": round(step(stack) / step(base), 3) if stack else None,
+        "rollout_tokens_per_s_ratio": round(tps(stack) / tps(base), 3) if stack and tps(base) else None,
         "spec_acceptance_length": round(sum(acc) / len(acc), 3) if acc else None,
         "spec_replay_acceptance": replay,
         "sim_step_time_max_rel_err": None,
         "baseline_rl_gain_mean": round(mean_se(gains)[0], 3), "baseline_rl_gain_se": round(mean_se(gains)[1], 3),
-        "stack_final_success_mean": round(mean_se([r["success_final"]["eval"] for r in stack])[0], 3),
+        "stack_final_success_mean": round(mean_se([r["success_final"]["eval"] for r in stack])[0], 3) if stack else None,
         "baseline_final_success_mean": round(target, 3),
         "baseline_final_success_se": round(mean_se([r["success_final"]["eval"] for r in base])[1], 3),
         "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
+        "step_time_ratio_by_config": {name: round(step(rs) / step(base), 3) for name, rs in by.items()},
         "configs": {name: [{k: r[k] for k in ("seed", "success_final", "step_s_mean", "rollout_tokens_per_s",
                                               "spec_acceptance_length", "time_split_s", "peak_rss_gb")} for r in rs]
                     for name, rs in by.items()},
