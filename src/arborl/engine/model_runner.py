@@ -354,10 +354,9 @@ class ModelRunner:
         loose = self.linear.set_adapters(by_module) if self.linear is not None else set(by_module)
         for m in loose:
             ad = by_module[m]
-            a, b = ad.a.to(self.device), ad.b.to(self.device)
+            ad = Adapter(ad.a.to(self.device), ad.b.to(self.device), ad.scale)
 
-            def hook(module: nn.Module, args: tuple, out: torch.Tensor, a=a, b=b, scale=ad.scale) -> torch.Tensor:
-                x = args[0]
-                return out + ((x.to(a.dtype) @ a.T) @ b.T * scale).to(out.dtype)
+            def hook(module: nn.Module, args: tuple, out: torch.Tensor, ad: Adapter = ad) -> torch.Tensor:
+                return out + ad.apply(args[0].to(ad.a.dtype)).to(out.dtype)
 
             self._adapter_hooks.append(m.register_forward_hook(hook))

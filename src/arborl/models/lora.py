@@ -4,8 +4,9 @@ A published adapter of the Linear module ``name`` is three tensors under the pla
 ``{name}.lora_A`` [rank, in], ``{name}.lora_B`` [out, rank] and ``{name}.lora_scale`` (0-dim, alpha /
 rank). The module computes ``x @ W.T + scale * (x @ A.T) @ B.T``; merged into the weight that is
 ``W + scale * (B @ A)``, peft's ``get_delta_weight`` for a plain (not fan-in-fan-out) Linear. The trainer
-merges with ``merge`` when it publishes full weights and an engine that serves adapters merges with it
-too where it needs the weight itself, so the two give the same bits.
+merges with ``merge`` when it publishes full weights, so the published adapters merged with it give the
+full sync's weights bit for bit; an engine serving them adds ``apply``'s term instead (equal within
+float32 rounding).
 """
 
 from __future__ import annotations
