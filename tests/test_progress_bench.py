@@ -8,6 +8,7 @@ import pytest
 
 from arborl.config import load_config
 from arborl_bench import BENCHMARKS
+from arborl_bench.progress_bench import ASYNC as ASYNC_SETS
 from arborl_bench.progress_bench import JOB, LEVERS, STACK, configurations, mean_se, summarise, time_to
 
 
@@ -90,3 +91,29 @@ def test_a_run_with_the_stack_on_trains_and_records_every_episode(tmp_path):
     finished = [e for e in eps if e.status == "finished"]
     assert len(finished) >= trained and all(e.reward == pytest.approx(1.5 * e.reward_components["outcome"])
                                             for e in finished)
+
+
+def test_the_simulator_calibrated_on_a_runs_trace_predicts_its_step_time(tmp_path):
+    """progress_sim: the workload and trainer read from a real (tiny) run's data pool and metrics, the engine's
+    costs given; the simulated sync step is a positive time of the run's order, and the bench's
+    configurations map to the simulator's variants."""
+    import json
+
+    from arborl.run.job import train
+    from arborl_bench.progress_sim import predict, sim_knobs, variant_of
+    from helpers.tiny_run import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "trace", "rollout.steps=2")
+    train(cfg)
+    engine = {"decode_base_s": 0.002, "decode_per_seq_s": 1e-4, "decode_per_ctx_token_s": 1e-7,
+              "prefill_base_s": 0.001, "prefill_per_token_s": 1e-5, "prefill_per_token2_s": 0.0}
+    knobs = sim_knobs(cfg.run_dir, engine, max_batch=16)
+    assert knobs["prompts"] == 4 and knobs["group_size"] == 4 and knobs["steps"] == 2
+    assert knobs["turns"] == 1 and knobs["max_tokens"] <= 8 and knobs["train_per_ktoken_s"] > 0
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_s = sum(r["train_s"] for r in rows if r.get("kind") == "step") / 2
+    step = predict(knobs, "sync/pinned")
+    assert step >= train_s * 0.5 > 0  # the trainer's share alone is about half of it or more
+    assert variant_of("baseline", [], None) == ("sync/pinned", {}, {})
+    assert variant_of("async", ASYNC_SETS, None) == ("async_ratio/pinned", {"async_ratio": "1"}, {})
+    assert variant_of("spec", ["engine.spec.enabled=true"], 0.5)[2] == {"spec_acceptance": 0.5}
