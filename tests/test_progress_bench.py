@@ -60,6 +60,8 @@ def test_mean_and_standard_error():
 
 def test_only_picks_levers_beside_the_baseline_and_refuses_unknown_names():
     assert [n for n, _, _ in configurations(quick=True, only="spec, async")] == ["baseline", "spec", "async"]
+    assert [(n, s) for n, _, s in configurations(quick=True, only="bf16_rollout", seeds="1,2")] == [
+        ("baseline", 1), ("bf16_rollout", 1), ("baseline", 2), ("bf16_rollout", 2)]
     with pytest.raises(ValueError, match="unknown configuration"):
         configurations(quick=True, only="warp")
 

@@ -58,18 +58,20 @@ LEVERS: dict[str, list[str]] = {
 STACK = SPEC + ASYNC + PARTIAL
 
 
-def configurations(quick: bool, only: str = "") -> list[tuple[str, list[str], int]]:
+def configurations(quick: bool, only: str = "", seeds: str = "") -> list[tuple[str, list[str], int]]:
     """(name, overrides, seed) of every run, in the order they run. ``only`` (``ARBORL_PROGRESS_ONLY``): a
-    comma-separated choice among the stack and the levers, run one seed each beside the baseline."""
-    seeds = [0] if quick else [0, 1, 2]
+    comma-separated choice among the stack and the levers, run beside the baseline, each with the seeds of
+    ``seeds`` (``ARBORL_PROGRESS_SEEDS``, comma-separated; default 0)."""
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         known = {"stack": STACK, **LEVERS}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"ARBORL_PROGRESS_ONLY: unknown configuration(s) {unknown}; choose from {sorted(known)}")
-        return [("baseline", [], 0)] + [(n, known[n], 0) for n in names]
-    runs = [("baseline", [], s) for s in seeds] + [("stack", STACK, s) for s in seeds]
+        picked = [int(x) for x in seeds.split(",") if x.strip()] or [0]
+        return [(n, [] if n == "baseline" else known[n], s) for s in picked for n in ["baseline", *names]]
+    seeds_ = [0] if quick else [0, 1, 2]
+    runs = [("baseline", [], s) for s in seeds_] + [("stack", STACK, s) for s in seeds_]
     if not quick:
         runs += [(name, over, 0) for name, over in LEVERS.items()]
     return runs
@@ -256,10 +258,11 @@ def replay_acceptance(run_dir: Path, policy: Path, calls: int, k: int = 6, tempe
                                                                                   "calls": min(calls, len(picked))}
 
 
-def simulated_step_times(sft: Path, results: list[dict[str, Any]], configs: list[tuple[str, list[str], int]]) -> dict:
+def simulated_step_times(sft: Path, results: list[dict[str, Any]], configs: list[tuple[str, list[str], int]],
+                         trace: Path) -> dict:
     """Each configuration's step time as the simulator predicts it, calibrated on the baseline's trace and on
     the engine's measured decode and prefill costs (a bf16 engine for the bf16 rollout), against the mean
-    measured one (``progress_sim``)."""
+    measured one (``progress_sim``); ``trace``: the baseline run calibrated on."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -287,7 +290,7 @@ def simulated_step_times(sft: Path, results: list[dict[str, Any]], configs: list
         # per-position acceptance p from the mean acceptance length 1 + p + p^2 + ... (k = 4), solved numerically
         p = _per_position(sum(accept) / len(accept), 4) if accept else None
         variant, sched, extra = variant_of(name, over, p)
-        knobs = {**sim_knobs(RUNS / "baseline-s0", fit(dtype), max_batch=32), **extra}
+        knobs = {**sim_knobs(trace, fit(dtype), max_batch=32), **extra}
         predicted = predict(knobs, variant, sched)
         measured = sum(r["step_s_mean"] for r in results if r["config"] == name) / sum(r["config"] == name for r in results)
         out[name] = {"predicted_s": round(predicted, 1), "measured_s": round(measured, 1),
@@ -320,7 +323,8 @@ def run(quick: bool, console) -> dict:
     sft = sft_checkpoint(console)
     steps, every = (4, 0) if quick else (16, 4)
     results: list[dict[str, Any]] = []
-    for name, over, seed in configurations(quick, os.environ.get("ARBORL_PROGRESS_ONLY", "")):
+    configs = configurations(quick, os.environ.get("ARBORL_PROGRESS_ONLY", ""), os.environ.get("ARBORL_PROGRESS_SEEDS", ""))
+    for name, over, seed in configs:
         console.print(f"{name} (seed {seed}): {' '.join(over) or 'the job as configured'} ...")
         results.append(run_one(name, over, seed, sft, steps, every))
         (RUNS / "results.json").write_text(json.dumps(results, indent=1))
@@ -346,9 +350,10 @@ def run(quick: bool, console) -> dict:
                       ", ".join("-" if t is None else "%.0f" % t for t in ttt),
                       "%.2f" % max(r["peak_rss_gb"] for r in rs))
     console.print(table)
-    replay = replay_acceptance(RUNS / "baseline-s0", sft, calls=10 if quick else 30)
-    sims = simulated_step_times(sft, results, configurations(quick, os.environ.get("ARBORL_PROGRESS_ONLY", "")))
-    console.print(f"simulated step time (calibrated on baseline-s0) against measured: {sims}")
+    trace = RUNS / f"baseline-s{base[0]['seed']}"
+    replay = replay_acceptance(trace, sft, calls=10 if quick else 30)
+    sims = simulated_step_times(sft, results, configs, trace)
+    console.print(f"simulated step time (calibrated on {trace.name}) against measured: {sims}")
     console.print(f"acceptance length of the suffix drafter's variants on the baseline's own generations (k = 6): {replay}")
     gains = [r["success_final"]["eval"] - r["success_before"]["eval"] for r in base]
     base_t = [time_to(r, target) for r in base]
