@@ -176,3 +176,24 @@ def load_model_state(cfg) -> dict[str, torch.Tensor]:
     from arborl.models.loading import load_model
 
     return load_model(cfg.model).model.state_dict()
+
+
+def test_a_fan_in_fan_out_adapter_is_merged_as_peft_merges_it_and_never_published_alone():
+    """GPT-2's Conv1D stores its weight transposed: the trainer's merge equals peft's own merged weight, and
+    adapter_state is None, so the controller publishes merged weights (the engines serve Linear adapters only)."""
+    pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from arborl.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    t = Trainer(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)),
+                TrainConfig(lora_rank=4, lora_targets=["c_attn"]))
+    layer = t.policy.transformer.h[0].attn.c_attn
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()  # peft starts B at zero: give the adapter a delta
+    assert t.adapter_state() is None
+    state = t.engine_state()
+    want = (layer.base_layer.weight + layer.get_delta_weight("default")).detach()
+    assert torch.allclose(state["transformer.h.0.attn.c_attn.weight"], want, atol=1e-6)
+    assert not torch.allclose(want, layer.base_layer.weight)

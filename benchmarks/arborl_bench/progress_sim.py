@@ -3,8 +3,8 @@
 ``sim_knobs(run_dir, engine_fit)`` reads the workload and the trainer from the baseline run's own trace
 (its data pool and metrics.jsonl): groups and their size, the first prompt's length, the per-turn generated
 lengths (median, log-sd between and within groups), turns, the tokens each tool result adds, the
-environment's latency between turns (from each call's start and latency), the trainer's time per step as a
-line in the batch's generated tokens, and the publish time. ``engine_fit`` gives the decode and prefill
+environment's latency between turns (from each call's start and latency), the trainer's mean time per
+generated token, and the publish time. ``engine_fit`` gives the decode and prefill
 lines measured on the job's model (``arborl.sim.calibrate.calibrate``). ``predict(knobs, variant,
 scheduling)`` then simulates a configuration (consume/dispatch, ``sim.spec_acceptance``) and returns its mean
 step time.
@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 
-def _log_sd(xs: list[float]) -> float:
-    logs = [math.log(max(1.0, x)) for x in xs]
+def _log_sd(xs: list[float], floor: float) -> float:
+    """Standard deviation of the logs of ``xs`` (each at least ``floor``: an empty answer is not log 0)."""
+    logs = [math.log(max(floor, x)) for x in xs]
     return statistics.pstdev(logs) if len(logs) > 1 else 0.0
 
 
@@ -50,9 +51,9 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int) ->
     for e in episodes:
         groups.setdefault(e.group_id, []).append(e)
     lengths = [len(c.completion_token_ids) for e in episodes for c in e.calls]
-    group_means = [statistics.mean(len(c.completion_token_ids) for e in g for c in e.calls) for g in groups.values()]
-    within = [len(c.completion_token_ids) / statistics.mean(len(d.completion_token_ids) for f in g for d in f.calls)
-              for g in groups.values() for e in g for c in e.calls]
+    per_group = [[len(c.completion_token_ids) for e in g for c in e.calls] for g in groups.values()]
+    group_means = [statistics.mean(ls) for ls in per_group]
+    within = [n / m for ls, m in zip(per_group, group_means) for n in ls]  # each answer against its group's mean
     obs, env = [], []
     for e in episodes:
         for a, b in zip(e.calls, e.calls[1:]):
@@ -66,8 +67,8 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int) ->
         "prompts": max(1, round(len(groups) / max(1, len(steps)))), "group_size": max(len(g) for g in groups.values()),
         "steps": len(steps), "instances": 1, "max_batch": max_batch,
         "prompt_tokens": round(statistics.mean(len(e.calls[0].prompt_token_ids) for e in episodes)),
-        "length_median": float(statistics.median(lengths)), "sigma_prompt": _log_sd(group_means),
-        "sigma_member": _log_sd([w * 100 for w in within]), "max_tokens": max(lengths), "min_tokens": 1,
+        "length_median": float(statistics.median(lengths)), "sigma_prompt": _log_sd(group_means, 1.0),
+        "sigma_member": _log_sd(within, 0.01), "max_tokens": max(lengths), "min_tokens": 1,
         "turns": turns, "obs_tokens": max(0, round(statistics.mean(obs))) if obs else 0,
         **_lognormal_by_moments(env), "train_base_s": 0.0, "train_per_ktoken_s": per_ktoken,
         "weight_update_s": statistics.mean(r.get("publish_s", 0.0) for r in steps),

@@ -303,7 +303,7 @@ class ModelRunner:
 
     def _changed_modules(self, state: dict[str, torch.Tensor]) -> set[nn.Module]:
         """The modules some of whose own parameters ``state`` sets."""
-        owners = {name for key in state for name in (key.rpartition(".")[0],)}
+        owners = {key.rpartition(".")[0] for key in state}
         return {m for name, m in self.model.named_modules() if name in owners}
 
     @torch.no_grad()

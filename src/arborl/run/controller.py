@@ -273,7 +273,7 @@ class Controller:
         if self.cfg.train.lora_sync != "adapters" or adapters is None or not self.engines.serves_adapters:
             return self.trainer.engine_state()
         state = adapters()
-        if state is None:  # no LoRA
+        if state is None:  # no LoRA, or an adapted module the engines cannot serve as an adapter (Conv1D)
             return self.trainer.engine_state()
         if self._base_of is not self.trainer:
             state = {**self.trainer.base_state(), **state}

@@ -51,7 +51,7 @@ from arborl.train.corrections import decoupled_weights, rollout_correction
 from arborl.train.losses import policy_loss, resolve_loss
 from arborl.train.memory import StepMemory, activation_bytes_per_token, check_fits, held_bytes, step_memory
 from arborl.train.packing import PackedBatch, pack, packed_logprobs
-from arborl.types import ArborlError, InvalidRequestError, Sample
+from arborl.types import InvalidRequestError, Sample
 
 
 def micro_batches(
@@ -409,32 +409,39 @@ class Trainer:
         if self.cfg.lora_rank == 0:
             return {k: snapshot(v) for k, v in self.model.state_dict().items()}
         state = {k: snapshot(v) for k, v in self.policy.state_dict().items() if "lora_" not in k}
-        for name, adapter in self._adapters().items():
+        for name, adapter in self._adapters()[0].items():
             key = f"{name}.base_layer.weight"
             state[key] = merge(state[key], adapter)  # a new tensor: the base stays
         return {_plain_name(k): v for k, v in state.items()}
 
-    def _adapters(self) -> dict[str, Adapter]:
-        """The LoRA adapters by their module's name in ``policy`` (views of the live parameters)."""
+    def _adapters(self) -> tuple[dict[str, Adapter], bool]:
+        """The LoRA adapters by their module's name in ``policy`` (views of the live parameters), oriented as the
+        module's weight (``merge`` adds ``scale * b @ a`` to it), and whether every adapted module is a plain
+        Linear (a fan-in-fan-out Conv1D stores its weight transposed: merged, never served as an adapter)."""
         from peft.tuners.lora import LoraLayer
 
         out: dict[str, Adapter] = {}
+        plain = True
         for name, module in self.policy.named_modules():
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
-                if getattr(module, "fan_in_fan_out", False):
-                    raise ArborlError(f"{name}: a fan-in-fan-out LoRA layer (Conv1D) is not served as an adapter")
-                out[name] = Adapter(module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
-                                    float(module.scaling["default"]))
-        return out
+                a, b = module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach()
+                if getattr(module, "fan_in_fan_out", False):  # delta = (B @ A).T = A.T @ B.T
+                    a, b, plain = b.T, a.T, False
+                out[name] = Adapter(a, b, float(module.scaling["default"]))
+        return out, plain
 
     @torch.no_grad()
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         """Under LoRA: copies of the adapters only (``models.lora``'s published form, plain module names),
-        which an engine that serves adapters applies on the base it holds; None without LoRA."""
+        which an engine that serves adapters applies on the base it holds; None without LoRA, or where an adapted
+        module is not a plain Linear (those publish merged weights)."""
         if self.cfg.lora_rank == 0:
             return None
+        adapters, plain = self._adapters()
+        if not plain:
+            return None
         out: dict[str, torch.Tensor] = {}
-        for name, ad in self._adapters().items():
+        for name, ad in adapters.items():
             out.update(adapter_entries(_plain_name(name), Adapter(ad.a.clone(), ad.b.clone(), ad.scale)))
         return out
 
