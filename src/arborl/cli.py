@@ -327,8 +327,9 @@ app.add_typer(envs_app, name="envs")
 
 @envs_app.command("validate")
 def envs_validate(
-    suite: str = typer.Argument(..., help="task suite to validate: code_repair"),
-    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair and rollout.envs are read)"),
+    suite: str = typer.Argument(..., help="task suite to validate: code_repair or harbor"),
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair / rollout.harbor and rollout.envs are read)"),
+    tasks_dir: Optional[Path] = typer.Option(None, "--tasks-dir", help="harbor: the folder of task folders (rollout.harbor.tasks_dir)"),
     tier: str = typer.Option("all", "--tier", help="easy, medium, hard or all"),
     k: Optional[int] = typer.Option(None, "--k", min=1, help="runs of gold and no-op per task (default: rollout.code_repair.validation_k)"),
     jobs: int = typer.Option(2, "--jobs", min=1, help="tasks validated at once"),
@@ -346,6 +347,8 @@ def envs_validate(
     console = Console(stderr=True)
     if which not in ("base", "variants", "all"):
         raise _fail(console, f"--which must be base, variants or all, got {which!r}")
+    if suite == "harbor":
+        return _validate_harbor(console, config, overrides, tasks_dir, k or 2, jobs)
     try:
         cfg = load_config(config, overrides)
         out = validate_suite(cfg, suite, tier=tier, k=k or cfg.rollout.code_repair.validation_k, jobs=jobs,
@@ -353,6 +356,34 @@ def envs_validate(
     except ArborlError as e:
         raise _fail(console, e) from None
     print(json.dumps(out, sort_keys=True))
+
+
+def _harbor_suite(config: Optional[Path], overrides: list[str], tasks_dir: Optional[Path]):  # noqa: ANN202
+    from arborl.config import load_config
+    from arborl.tasks.harbor import HarborSuite
+
+    extra = [f"rollout.harbor.tasks_dir={tasks_dir.absolute()}"] if tasks_dir is not None else []
+    cfg = load_config(config, [*overrides, *extra])
+    return HarborSuite(cfg.rollout.harbor, envs=cfg.rollout.envs, max_turns=cfg.rollout.max_turns,
+                       command_timeout_s=cfg.rollout.envs.wall_s)
+
+
+def _validate_harbor(console: Console, config: Optional[Path], overrides: list[str], tasks_dir: Optional[Path],
+                     k: int, jobs: int) -> None:
+    from arborl.tasks.harbor.validate import validate_harbor
+    from arborl.types import ArborlError
+
+    try:
+        out = validate_harbor(_harbor_suite(config, overrides, tasks_dir), k=k, jobs=jobs)
+    except ArborlError as e:
+        raise _fail(console, e) from None
+    for r in out["results"]:
+        console.print(f"  {r['status']:<12} {r['task']} ({r['split']})" + (f": {r['reason']}" if r.get("reason") else ""),
+                      markup=False)
+    print(json.dumps(out, sort_keys=True))
+    bad = [r for r in out["results"] if r["status"] not in ("validated", "refused")]
+    if bad:
+        raise typer.Exit(1)
 
 
 @envs_app.command("perturb")
@@ -384,8 +415,9 @@ def envs_perturb(
 
 @envs_app.command("demos")
 def envs_demos(
-    suite: str = typer.Argument(..., help="task suite: code_repair"),
-    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair, rollout.envs, max_turns)"),
+    suite: str = typer.Argument(..., help="task suite: code_repair or harbor (each task's solution/solve.sh)"),
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (rollout.code_repair / rollout.harbor, rollout.envs, max_turns)"),
+    tasks_dir: Optional[Path] = typer.Option(None, "--tasks-dir", help="harbor: the folder of task folders (rollout.harbor.tasks_dir)"),
     out: Path = typer.Option(Path("demos.jsonl"), "--out", help="JSONL file of transcripts to write ({messages, tools})"),
     split: str = typer.Option("train", "--split", help="train (what SFT may see) or eval"),
     per_task: int = typer.Option(2, "--per-task", min=1, help="demonstrations per task (each takes another path)"),
@@ -399,8 +431,18 @@ def envs_demos(
     from arborl.types import ArborlError
 
     console = Console(stderr=True)
+    if suite == "harbor":
+        from arborl.tasks.harbor.validate import write_demos as harbor_demos
+
+        try:
+            res = harbor_demos(_harbor_suite(config, overrides, tasks_dir), out, split=split)
+        except (ArborlError, ValueError) as e:
+            raise _fail(console, e) from None
+        console.print(f"wrote {res['kept']} demonstrations of {res['tasks']} {split} tasks to {out}", markup=False)
+        print(json.dumps(res, sort_keys=True))
+        return
     if suite != "code_repair":
-        raise _fail(console, f"demonstrations are generated for the code_repair suite, not {suite!r}")
+        raise _fail(console, f"demonstrations are generated for the code_repair and harbor suites, not {suite!r}")
     try:
         res = write_demos(load_config(config, overrides), out, split=split, per_task=per_task, limit=limit)
     except (ArborlError, ValueError) as e:

@@ -758,6 +758,55 @@ class JudgeConfig(Section):
     max_tokens: int = Field(256, ge=1, description="most tokens of the judge's answer")
 
 
+class GymConfig(Section):
+    """The gym task suite: a Gymnasium-style text environment (tasks/gym_env.py)."""
+
+    env: str = Field(
+        "",
+        description="the environment: package.module:attr or path/to/file.py:attr naming a class or factory that "
+        "returns a new environment per episode; accepted: gymnasium.Env and GEM's gem.Env (reset(seed) -> "
+        "(observation, info), step(text) -> (observation, reward, terminated, truncated, info)), SkyRL-Gym's "
+        "BaseTextEnv (init(prompt) -> (messages, info), step(text) -> {observations, reward, done, metadata}), or "
+        "any object with the same methods. rollout.task=gym needs it",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of every env construction (a SkyRL-Gym env gets them as env_config, and "
+        "each data row's columns other than the prompt as extras)",
+    )
+    system_prompt: str | None = Field(None, description="system message before the environment's first observation")
+    eval_seed: int = Field(
+        1_000_000_000,
+        ge=0,
+        description="reset seeds of held-out episodes (Gymnasium convention) are eval_seed, eval_seed + 1, ...: the "
+        "same every evaluation; training draws seeds below it, so the splits are disjoint",
+    )
+
+
+class HarborConfig(Section):
+    """The harbor task suite: Harbor / terminal-bench task folders run in the sandbox (tasks/harbor)."""
+
+    tasks_dir: str = Field(
+        "",
+        description="directory of Harbor task folders (each with task.toml, instruction.md, environment/, tests/, "
+        "solution/); rollout.task=harbor needs it",
+    )
+    eval_fraction: float = Field(
+        0.34, ge=0, le=1,
+        description="share of the tasks held out for evaluation, chosen by a hash of each task's name (a task's "
+        "task.toml [metadata] split = \"train\" / \"eval\" overrides it)",
+    )
+    host_images: list[str] = Field(
+        default_factory=lambda: ["python", "debian", "ubuntu", "buildpack-deps"],
+        description="base images (environment/Dockerfile FROM, task.toml docker_image) the sandbox stands in for "
+        "with this host's own system and Python; a task built from another image, or whose Dockerfile RUNs "
+        "commands, is refused with its reason (listed by arborl envs validate harbor)",
+    )
+    verifier_timeout_s: float = Field(
+        120.0, gt=0, description="most seconds tests/test.sh may run (a task's [verifier] timeout_sec, if lower, wins)"
+    )
+
+
 class EnvsConfig(Section):
     """Environments: the sandbox runtime agent commands run in, its workspaces and its limits (docs/envs.md)."""
 
@@ -815,7 +864,7 @@ class RolloutConfig(Section):
 
     task: str = Field(
         "calculator",
-        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data), chain (max_turns - 1 dependent tool calls, a wrong step ends the episode), chain_tokens (the same on token ids, max_turns steps, tiny models), code_repair (fix a bug in a small repository, hidden tests; rollout.code_repair); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
+        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data), chain (max_turns - 1 dependent tool calls, a wrong step ends the episode), chain_tokens (the same on token ids, max_turns steps, tiny models), code_repair (fix a bug in a small repository, hidden tests; rollout.code_repair), gym (a Gymnasium / GEM / SkyRL-Gym text environment; rollout.gym), harbor (Harbor task folders in the sandbox; rollout.harbor); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
         "factory of the rollout section",
     )
     agent: str = Field(
@@ -862,6 +911,14 @@ class RolloutConfig(Section):
     )
     code_repair: CodeRepairConfig = Field(
         default_factory=CodeRepairConfig, description="tiers, cache and validation of the code_repair task suite"
+    )
+    harbor: HarborConfig = Field(
+        default_factory=HarborConfig, description="the task folders of the harbor task suite (Harbor / terminal-bench format)"
+    )
+    gym: GymConfig = Field(
+        default_factory=GymConfig,
+        description="the environment of the gym task suite (Gymnasium / GEM / SkyRL-Gym text environments; "
+        "environments that take a prompt read their rows from rollout.data.train_files / eval_files)",
     )
     agent_command: list[str] = Field(
         default_factory=list,

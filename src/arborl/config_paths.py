@@ -48,6 +48,8 @@ PATH_KNOBS: dict[str, PathKind] = {
     "rollout.data.eval_files": "path",
     "rollout.data.reward_function": "ref",
     "rollout.code_repair.suite_dir": "path",
+    "rollout.gym.env": "ref",
+    "rollout.harbor.tasks_dir": "path",
     "rollout.envs.runtime": "ref",
     "rollout.envs.root_dir": "path",
     "rollout.envs.ro_binds": "path",

@@ -105,9 +105,12 @@ class Runtime(Protocol):
         *,
         timeout_s: float | None = None,
         env: Mapping[str, str] | None = None,
+        mounts: Mapping[str, str] | None = None,
     ) -> CommandResult:
         """Run ``argv`` in a separate sandbox over a copy of the final workspace with ``tests`` (a
-        directory on the host) copied in; the agent's workspace is not changed."""
+        directory on the host) copied in; the agent's workspace is not changed. ``mounts`` maps absolute
+        paths in the sandbox to directories of that copy (made if missing): ``{"/tests": "tests"}`` shows
+        the tests at ``/tests`` as well (bwrap only; a runtime that cannot remap paths raises EnvError)."""
 
     async def close(self, ws: Workspace) -> None:
         """Kill what is left of the workspace's processes and delete it."""

@@ -171,6 +171,7 @@ def _parents(d: Path) -> list[Path]:
 @ENV_RUNTIMES.register("bwrap")
 class BwrapRuntime(HostRuntime):
     name = "bwrap"
+    remaps_paths = True
 
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         super().__init__(cfg)
@@ -193,6 +194,11 @@ class BwrapRuntime(HostRuntime):
         for p in self.ro_binds:
             if not Path(p).exists():
                 warnings.warn(f"rollout.envs.ro_binds: {p} does not exist on this host; it is left out of the sandbox")
+        ws_path = Path(self.cfg.workspace_path)
+        for p in ([str(d) for d in _python_dirs()] if self.cfg.bind_python else []) + self.ro_binds:
+            if Path(p) == ws_path or ws_path in Path(p).parents:
+                raise EnvError(f"the workspace's path in the sandbox, {ws_path}, would hide {p} (bound read-only for "
+                               "commands to use): choose another rollout.envs.workspace_path (or Harbor WORKDIR)")
 
     def sandbox_argv(self, ws: Workspace, argv: list[str], *, unix_sockets: list[Path]) -> list[str]:
         """The bwrap command line running ``argv`` in ``ws`` (public for tests and docs)."""
@@ -213,12 +219,16 @@ class BwrapRuntime(HostRuntime):
         for p in binds:
             a += ["--ro-bind", p, p]
         a += ["--bind", str(ws.path), cfg.workspace_path]
+        extra_mounts = dict(ws.extra.get("mounts") or {})  # evaluate's: a directory of the copy shown elsewhere
+        for target, rel in extra_mounts.items():
+            a += ["--bind", str(ws.path / rel), target]
         for s in unix_sockets:
             a += ["--bind", str(s), str(s)]
         # bwrap gives the directories it makes on the way to a mount point the host's modes (/root: 0700);
         # open those that are not themselves mounts, so the sandbox uid can reach what is bound
-        mounts = {"/usr", "/etc", "/proc", "/dev", cfg.workspace_path, *binds, *map(str, unix_sockets)}
-        made = {str(p) for m in [*binds, *map(str, unix_sockets), cfg.workspace_path] for p in _parents(Path(m))}
+        mounts = {"/usr", "/etc", "/proc", "/dev", cfg.workspace_path, *binds, *map(str, unix_sockets), *extra_mounts}
+        made = {str(p) for m in [*binds, *map(str, unix_sockets), cfg.workspace_path, *extra_mounts]
+                for p in _parents(Path(m))}
         for p in sorted(made):  # never /tmp itself: it stays the world-writable tmpfs (1777) with binds below it
             if p != "/tmp" and not any(p == m or p.startswith(m.rstrip("/") + "/") for m in mounts):
                 a += ["--chmod", "0755", p]

@@ -63,11 +63,33 @@ def own_root(configured: str) -> Path:
     return root
 
 
+def check_mounts(mounts: Mapping[str, str], supported: bool, runtime: str) -> dict[str, str]:
+    """``evaluate``'s mounts, checked: absolute sandbox paths outside the system directories, each
+    naming a relative directory of the scratch copy that stays inside it."""
+    if mounts and not supported:
+        raise EnvError(f"the {runtime} runtime runs commands on the host's own paths and cannot show a directory at "
+                       f"{', '.join(mounts)}: use rollout.envs.runtime=bwrap")
+    out = {}
+    for target, rel in mounts.items():
+        t = Path(target)
+        if not t.is_absolute() or ".." in t.parts or str(t) == "/" or t.parts[1] in _SYSTEM_TOP:
+            raise EnvError(f"mount point {target!r} must be an absolute path outside {', '.join(sorted(_SYSTEM_TOP))}")
+        r = Path(rel)
+        if r.is_absolute() or ".." in r.parts or str(r) in ("", "."):
+            raise EnvError(f"mount source {rel!r} must be a directory inside the workspace copy (a relative path)")
+        out[str(t)] = str(r)
+    return out
+
+
+_SYSTEM_TOP = frozenset({"usr", "etc", "proc", "dev", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "tmp", "sys"})
+
+
 class HostRuntime(abc.ABC):
     """Workspaces under ``cfg.root_dir``; subclasses implement ``_exec``."""
 
     name = "host"
     drop_uid = False  # run commands as a pooled unprivileged uid (bwrap as root)
+    remaps_paths = False  # can show a directory at another path in the sandbox (evaluate's mounts)
 
     def __init__(self, cfg: EnvsConfig | None = None) -> None:
         self.cfg = cfg or EnvsConfig()
@@ -121,9 +143,11 @@ class HostRuntime(abc.ABC):
         *,
         timeout_s: float | None = None,
         env: Mapping[str, str] | None = None,
+        mounts: Mapping[str, str] | None = None,
     ) -> CommandResult:
         self._check_live(ws)
         argv = check_argv(argv)
+        mounts = check_mounts(mounts or {}, self.remaps_paths, self.name)
         tests = Path(tests).expanduser()
         if not tests.is_dir():
             raise EnvError(f"hidden tests directory {tests} does not exist or is not a directory")
@@ -133,6 +157,8 @@ class HostRuntime(abc.ABC):
         size_mb = self.cfg.disk_mb + (tree_bytes(tests) >> 20) + 1 + self.cfg.disk_mb // 4 + 16
         scratch = await asyncio.to_thread(self._make, ws.path, [(tests.resolve(), tests.name)], scratch_id, size_mb)
         try:
+            if mounts:
+                await asyncio.to_thread(self._mount_dirs, scratch, mounts)
             return await self._exec(scratch, argv, timeout_s=timeout_s, env=env, stdin=None, unix_sockets=[])
         finally:
             await asyncio.to_thread(self._destroy, scratch)
@@ -142,6 +168,21 @@ class HostRuntime(abc.ABC):
             await asyncio.to_thread(self._destroy, ws)
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    def _mount_dirs(self, ws: Workspace, mounts: dict[str, str]) -> None:
+        """Make the directories ``mounts`` shows elsewhere (owned by the workspace's uid) and note them."""
+        uid = ws.extra.get("uid")
+        for rel in mounts.values():
+            d = ws.path / rel
+            if d.is_symlink() or (d.exists() and not d.is_dir()):
+                d.unlink()
+            for p in [*reversed(d.relative_to(ws.path).parents), d.relative_to(ws.path)]:
+                q = ws.path / p
+                if str(p) != "." and not q.exists():
+                    q.mkdir()
+                    if isinstance(uid, int):
+                        os.chown(q, uid, uid)
+        ws.extra["mounts"] = dict(mounts)
 
     def _check_live(self, ws: Workspace) -> None:
         if self._live.get(ws.episode_id) is not ws:

@@ -1,6 +1,8 @@
 """Task suites, by name (``rollout.task``): the built-in ``calculator``, ``arith``, ``even_tokens`` and
 ``dataset`` (prompts from files, ``rollout.data``), ``code_repair`` (buggy repositories with hidden tests,
-``rollout.code_repair``; ``tasks/code_repair/``), or a user's own as ``package.module:attr`` /
+``rollout.code_repair``; ``tasks/code_repair/``), ``gym`` (a Gymnasium / GEM / SkyRL-Gym text environment,
+``rollout.gym``; ``tasks/gym_env.py``), ``harbor`` (Harbor task folders in the sandbox, ``rollout.harbor``;
+``tasks/harbor/``), or a user's own as ``package.module:attr`` /
 ``path/to/file.py:attr``.
 
 A registry entry is a factory ``(rollout: RolloutConfig) -> TaskSuite`` (a suite class whose
@@ -28,6 +30,8 @@ from arborl.tasks.toy import EvenTokensSuite
 if TYPE_CHECKING:
     from arborl.config import RolloutConfig
     from arborl.tasks.code_repair import CodeRepairSuite
+    from arborl.tasks.gym_env import GymSuite
+    from arborl.tasks.harbor import HarborSuite
 
 TASK_SUITES: Registry[SuiteFactory] = Registry("task suite")
 
@@ -70,6 +74,22 @@ def _code_repair(rollout: "RolloutConfig") -> "CodeRepairSuite":
 
     return CodeRepairSuite(rollout.code_repair, envs=rollout.envs, max_turns=rollout.max_turns,
                            command_timeout_s=rollout.envs.wall_s)
+
+
+@TASK_SUITES.register("gym")
+def _gym(rollout: "RolloutConfig") -> "GymSuite":
+    from arborl.tasks.gym_env import GymSuite
+    from arborl.tasks.harbor import HarborSuite
+
+    return GymSuite(rollout)
+
+
+@TASK_SUITES.register("harbor")
+def _harbor(rollout: "RolloutConfig") -> "HarborSuite":
+    from arborl.tasks.harbor import HarborSuite
+
+    return HarborSuite(rollout.harbor, envs=rollout.envs, max_turns=rollout.max_turns,
+                       command_timeout_s=rollout.envs.wall_s)
 
 
 def make_suite(rollout: "RolloutConfig") -> ConfiguredSuite:

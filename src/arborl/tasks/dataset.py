@@ -59,22 +59,10 @@ class DatasetSuite:
 
     def tasks(self, split: str, n: int, seed: int = 0) -> list[Task]:
         if split == "eval":  # the same rows whatever the seed: evaluations compare
-            return [_copy(self.eval[i]) for i in eval_rows(self.eval, n, self.data)]
+            return [copy_task(self.eval[i]) for i in eval_rows(self.eval, n, self.data)]
         if split != "train":
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        rng = random.Random(seed)
-        order: list[int] = []
-        while len(order) < n:
-            order += rng.sample(range(len(self.train)), min(n - len(order), len(self.train)))
-        seen: dict[int, int] = {}
-        out = []
-        for i in order:
-            k = seen[i] = seen.get(i, -1) + 1
-            t = _copy(self.train[i])
-            if k:
-                t.task_id = f"{t.task_id}~{k}"
-            out.append(t)
-        return out
+        return draw_rows(self.train, n, seed)
 
     def agent(self, sampling: dict[str, Any]) -> AgentLoop:
         return ReActAgent([], system_prompt=self.data.system_prompt, max_turns=self.max_turns, **sampling)
@@ -86,6 +74,24 @@ class DatasetSuite:
     def _score(self, task: Task, completion: str, calls: list[Call]) -> dict[str, float]:
         answer = task.metadata.get(self.data.answer_key) if self.data.answer_key is not None else None
         return self.reward(task, completion, calls, answer)
+
+
+def draw_rows(rows: list[Task], n: int, seed: int) -> list[Task]:
+    """``n`` copies of ``rows`` sampled without replacement (seeded); when ``n`` exceeds the rows, whole
+    shuffled passes, repeated rows getting ids ``<id>~1``, ``<id>~2``, ..."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while len(order) < n:
+        order += rng.sample(range(len(rows)), min(n - len(order), len(rows)))
+    seen: dict[int, int] = {}
+    out = []
+    for i in order:
+        k = seen[i] = seen.get(i, -1) + 1
+        t = copy_task(rows[i])
+        if k:
+            t.task_id = f"{t.task_id}~{k}"
+        out.append(t)
+    return out
 
 
 def eval_rows(rows: list[Task], n: int, data: "DataConfig") -> list[int]:
@@ -112,6 +118,6 @@ def eval_rows(rows: list[Task], n: int, data: "DataConfig") -> list[int]:
     return sorted(i for members, q in zip(strata.values(), quota) for i in rng.sample(members, q))
 
 
-def _copy(task: Task) -> Task:
+def copy_task(task: Task) -> Task:
     prompt = [dict(m) for m in task.prompt] if isinstance(task.prompt, list) else task.prompt
     return replace(task, prompt=prompt, metadata=dict(task.metadata))

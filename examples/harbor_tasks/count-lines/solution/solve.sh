@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < data/items.txt > count.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "Hi there" > greeting.txt
