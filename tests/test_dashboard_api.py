@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run
+from helpers.dashboard_runs import AGENTIC_EVALS, AGENTIC_STEPS, agentic_run, trained_run, warm_run
 from helpers.tiny_run import ENV, TINY, arborl_cmd, set_args
 
 from arborl.dashboard import create_app
@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     trained = trained_run(d)
     agentic, written = agentic_run(d)
+    warm_run(d)
     return d, trained, agentic, written
 
 
@@ -68,7 +69,7 @@ def get(server, path, **params):
 def test_runs_and_curves_carry_every_numeric_column_well_known_first(runs, server):
     d, trained, agentic, _ = runs
     listed = get(server, "/api/runs").json()
-    assert [r["key"] for r in listed] == ["agentic", "trained"]
+    assert [r["key"] for r in listed] == ["agentic", "trained", "warm"]
     data = get(server, "/api/curves", run=["agentic", "trained"]).json()
     cols = data["columns"]
     # the other helpers' metrics show without being listed anywhere; the known ones come first, in order
@@ -79,6 +80,54 @@ def test_runs_and_curves_carry_every_numeric_column_well_known_first(runs, serve
     trained_rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in data["runs"]["trained"]["step"]] == [r["reward"] for r in trained_rows
                                                                       if r["kind"] == "step"]
+
+
+def test_held_out_curves_are_a_line_per_split_with_the_sft_stage_apart(runs, server):
+    """eval and eval_perturbed are two series, and the evaluation after the SFT warm start (step 0, like
+    the one before) a series of its own: nothing joins them into one zig-zag line."""
+    warm = runs[0] / "warm"
+    data = get(server, "/api/curves", run=["agentic", "warm"]).json()["runs"]
+    got = {s["name"]: (s["split"], s["stage"], [(r["step"], r["eval_success"]) for r in s["rows"]])
+           for s in data["agentic"]["eval_series"]}
+    assert got == {"eval": ("eval", "rl", [(0, 0.25), (3, 0.75)]),
+                   "eval_perturbed": ("eval_perturbed", "rl", [(0, 0.125), (3, 0.375)]),
+                   "eval after SFT": ("eval", "after_sft", [(0, 0.5)]),
+                   "eval_perturbed after SFT": ("eval_perturbed", "after_sft", [(0, 0.25)])}
+    assert len(data["agentic"]["eval"]) == len(AGENTIC_EVALS)  # the rows as written, still there
+    # the real run's job wrote them: before, after SFT, rollout.eval_every=1's row (no split), after; and
+    # the SFT stage's held-out NLL before and after it
+    rows = [json.loads(x) for x in (warm / "metrics.jsonl").read_text().splitlines()]
+    series = {s["name"]: s for s in data["warm"]["eval_series"]}
+    assert list(series) == ["eval", "SFT held-out", "eval after SFT"]
+    assert [(r["step"], r.get("stage")) for r in series["eval"]["rows"]] == [(0, "before"), (1, None), (2, "after")]
+    assert [(r["step"], r["stage"]) for r in series["eval after SFT"]["rows"]] == [(0, "after_sft")]
+    assert [r["heldout_nll"] for r in series["SFT held-out"]["rows"]] == [r["heldout_nll"] for r in rows
+                                                                        if "heldout_nll" in r] != []
+    assert sum(len(s["rows"]) for s in series.values()) == sum(r["kind"] == "eval" for r in rows)
+    # the headline's held-out figures are the eval split's, before and after RL
+    heads = {r["key"]: r["headline"] for r in get(server, "/api/runs").json()}
+    assert (heads["agentic"]["eval_success_first"], heads["agentic"]["eval_success_last"]) == (0.25, 0.75)
+    assert (heads["warm"]["eval_success_first"], heads["warm"]["eval_success_last"]) == (
+        series["eval"]["rows"][0]["eval_success"], series["eval"]["rows"][-1]["eval_success"])
+
+
+def test_time_split_parts_stack_to_the_step_time(runs, server):
+    """Each step's rollout, train and weight-sync seconds as recorded, and the rest of step_s as "other"."""
+    _, trained, _, _ = runs
+    data = get(server, "/api/curves", run=["agentic", "trained"]).json()["runs"]
+    ts = data["agentic"]["time_split"]
+    parts = {p["name"]: p["y"] for p in ts["parts"]}
+    assert ts["x"] == [1, 2, 3] and list(parts) == ["rollout", "train", "weight sync", "other"]
+    assert (parts["rollout"], parts["train"], parts["weight sync"]) == tuple(
+        [r[k] for r in AGENTIC_STEPS] for k in ("rollout_s", "train_s", "publish_s"))
+    assert parts["other"] == pytest.approx([0.25] * 3)
+    steps = [r for r in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    ts = data["trained"]["time_split"]
+    assert ts["x"] == [1, 2] and [p["key"] for p in ts["parts"]] == ["rollout_s", "train_s", "publish_s", "other"]
+    for i, r in enumerate(steps):
+        assert [p["y"][i] for p in ts["parts"][:3]] == [r["rollout_s"], r["train_s"], r["publish_s"]]
+        assert all(p["y"][i] >= 0 for p in ts["parts"])
+        assert sum(p["y"][i] for p in ts["parts"]) == pytest.approx(r["step_s"])
 
 
 def test_timeline_has_one_bar_per_recorded_piece(runs, server):
@@ -125,7 +174,7 @@ def test_trajectory_view_decodes_recorded_ids_and_masks_generated_tokens(runs, s
     assert v["interactions"][0]["result"] == "89" and v["reward_components"]["judge"] == 0.5
     assert get(server, "/api/episode", run="agentic", id="nope").status_code == 404
     r = get(server, "/api/episode", run="nope", id="x")
-    assert r.status_code == 404 and "runs: agentic, trained" in r.json()["detail"]
+    assert r.status_code == 404 and "runs: agentic, trained, warm" in r.json()["detail"]
 
 
 def test_a_real_run_records_trainer_logprobs_for_the_mismatch_view(runs, server):
@@ -209,7 +258,7 @@ def test_dashboard_is_served_under_arborl_serve(runs, tmp_path):
         page = httpx.get(base + "/dashboard/curves", timeout=30)
         assert page.status_code == 200 and '<base href="/dashboard/">' in page.text
         keys = [r["key"] for r in httpx.get(base + "/dashboard/api/runs", timeout=30).json()]
-        assert keys == ["agentic", "served", "trained"]
+        assert keys == ["agentic", "served", "trained", "warm"]
         js = httpx.get(base + "/dashboard/static/plotly.min.js", timeout=30)
         assert js.status_code == 200 and len(js.content) > 1_000_000
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run
+from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run, warm_run
 from test_dashboard_api import Server
 
 from arborl.dashboard import create_app
@@ -35,6 +35,7 @@ def site(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     trained = trained_run(d)
     agentic, written = agentic_run(d)
+    warm_run(d)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with Server(create_app([d])) as srv, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -61,7 +62,7 @@ def test_runs_page_lists_both_runs(site):
     page = open_page(site, "/", "runs")
     page.wait_for_selector("#runs tr[data-run]")
     shown = page.eval_on_selector_all("#runs tr[data-run]", "rows => rows.map(r => r.dataset.run)")
-    assert shown == ["agentic", "trained"]
+    assert shown == ["agentic", "trained", "warm"]
     page.close()
 
 
@@ -85,6 +86,38 @@ def test_curves_show_the_runs_values_overlaid(site):
     custom = page.evaluate("""() => Array.from(document.querySelector('[data-metric="zz_custom/metric"]').data[0].y)""")
     assert custom == [7.0, 8.0, 9.0]
     assert page.locator('[data-metric="reward"] .scatterlayer .point').count() == 3 + len(want)
+    page.close()
+
+
+def test_curve_titles_clear_the_toolbar_and_held_out_splits_are_separate_lines(site):
+    page = open_page(site, "/curves?run=agentic&run=warm", "curves-held-out")
+    traces = page.evaluate("""() => document.querySelector('[data-metric="eval_success"]').data
+                                 .map(t => ({name: t.name, mode: t.mode, x: Array.from(t.x)}))""")
+    assert traces == [
+        {"name": "agentic eval", "mode": "lines+markers", "x": [0, 3]},
+        {"name": "agentic eval_perturbed", "mode": "lines+markers", "x": [0, 3]},
+        {"name": "agentic eval after SFT", "mode": "markers", "x": [0]},
+        {"name": "agentic eval_perturbed after SFT", "mode": "markers", "x": [0]},
+        {"name": "warm eval", "mode": "lines+markers", "x": [0, 1, 2]},
+        {"name": "warm eval after SFT", "mode": "markers", "x": [0]},
+    ]
+    # every chart's title (and any title Plotly draws) is shown apart from the plot's toolbar (the modebar)
+    page.hover('[data-metric="reward"]')
+    charts = page.evaluate("""() => Array.from(document.querySelectorAll('#main .chart')).map(c => {
+        const cap = c.closest('figure') && c.closest('figure').querySelector('figcaption');
+        const box = e => e.getBoundingClientRect().toJSON();
+        return {metric: c.dataset.metric, caption: cap ? cap.textContent : null, modebar: box(c.querySelector('.modebar')),
+                titles: [cap, ...c.querySelectorAll('.gtitle')].filter(Boolean).map(box)};
+    })""")
+    assert len(charts) > 10 and {"split:agentic", "split:warm", "eval_success", "heldout_nll"} <= {c["metric"] for c in charts}
+
+    def overlap(a, b):
+        return a["left"] < b["right"] and b["left"] < a["right"] and a["top"] < b["bottom"] and b["top"] < a["bottom"]
+
+    for c in charts:
+        assert c["caption"] == c["metric"].removeprefix("split:"), c
+        assert c["modebar"]["width"] > 0 and all(t["width"] > 0 for t in c["titles"]), c
+        assert not any(overlap(t, c["modebar"]) for t in c["titles"]), c
     page.close()
 
 

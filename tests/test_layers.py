@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"agents"},  # white-box loops, black-box runner
     {"tasks"},  # task suites
     {"sim", "extensions", "workers", "cluster"},  # simulator, extensions, rollout workers, Ray
-    {"run", "serve", "cli", "export", "show", "dashboard"},  # entry points (run: step loop, wiring, job, sft, run dir)
+    {"run", "serve", "cli", "export", "show", "audit", "dashboard"},  # entry points (run: step loop, wiring, job, sft, run dir)
 ]
 
 

@@ -207,6 +207,37 @@ def export(
 
 
 @app.command()
+def audit(
+    run_dir: Path = typer.Argument(..., help="run directory, runs/NAME"),
+    max_drift_rate: Optional[float] = typer.Option(
+        None, "--max-drift-rate", min=0, max=1, help="exit 1 when more than this share of the audited calls drifted"),
+    examples: int = typer.Option(5, "--examples", min=0, help="drifted calls to show"),
+) -> None:
+    """Re-render every recorded conversation with the run's chat template and compare it with the token ids
+    the engine consumed and the trainer used: drifted calls (first differing tokens shown) and unfaithful
+    ones (a prompt that does not extend the episode's earlier tokens). Last line: JSON."""
+    from arborl.audit import audit_run, decoded_examples
+    from arborl.types import ArborlError
+
+    console = Console(stderr=True)
+    try:
+        report, tokenizer = audit_run(run_dir, examples=examples)
+    except ArborlError as e:
+        raise _fail(console, e) from None
+    out = {**report.summary(), "examples": decoded_examples(report, tokenizer)}
+    console.print(f"{report.audited} of {report.calls} calls re-rendered: {report.drift_calls} drifted "
+                  f"({report.drift_rate:.1%}), {report.unfaithful_calls} unfaithful; {report.not_recorded} without "
+                  f"their request, {report.token_calls} token-in", markup=False)
+    for e in out["examples"]:
+        console.print(f"  {e['call_id']} at token {e['position']}: engine {e['engine']!r} | re-render {e['rerender']!r}"
+                      + (" (stitched: trained on the engine's tokens)" if e["stitched"] else ""), markup=False)
+    print(json.dumps(out, sort_keys=True))
+    if max_drift_rate is not None and report.drift_rate > max_drift_rate:
+        console.print(f"drift rate {report.drift_rate:.1%} > --max-drift-rate {max_drift_rate}", markup=False)
+        raise typer.Exit(1)
+
+
+@app.command()
 def show(
     run_dir: Path = typer.Argument(..., help="run directory, runs/NAME"),
     step: Optional[int] = typer.Option(None, "--step", help="training step to show (default: the last one)"),

@@ -258,6 +258,18 @@ class GatewayConfig(Section):
         description="default of new sessions: a chat request extending an earlier call reuses that call's exact "
         "prompt + completion token ids and renders only the new messages (sessions may switch it off)",
     )
+    record_messages: bool = Field(
+        True,
+        description="keep each chat call's request (messages, tools) with the call in the data pool, so `arborl audit` "
+        "can re-render it; costs the conversation's text per call (off: the audit counts such calls as not recorded)",
+    )
+    max_drift_rate: float | None = Field(
+        None, ge=0, le=1,
+        description="stop the run (with a checkpoint and an explanation) when more than this share of its calls so "
+        "far drifted: re-rendering the conversation gave other token ids than the engine's, or the prompt did not "
+        "extend the episode's earlier tokens (the step metric drift_calls; `arborl audit` shows where). None = never "
+        "stop, only count",
+    )
     tool_prompt: Literal["auto", "native", "prompt"] = Field(
         "auto",
         description="how `tools` reach the model: native = the chat template's own tool support; prompt = the "

@@ -1,12 +1,15 @@
 """Run directories for the dashboard tests: a real tiny training run (rollout through two engines under
-the Seer dispatcher, in 4-token pieces, so its timeline has pieces and probes), and an agentic run
+the Seer dispatcher, in 4-token pieces, so its timeline has pieces and probes), a real tiny run with an SFT
+warm start and held-out evaluations (before, after SFT, every step, after), and an agentic run
 written through arborl's own writers (config, MetricsLog, Timeline, DataPool) with what a tiny random
 model never produces: tool calls and results, a stitched second call, an aborted call, a call that
 starts a new sample with a drift event, process rewards, sandbox output, hidden-test results,
-trainer log-probs (of one call), and metrics other helpers add (acceptance length, a custom column)."""
+trainer log-probs (of one call), metrics other helpers add (acceptance length, a custom column), and
+held-out rows of two splits (eval, eval_perturbed) before, after SFT and after RL, as the job writes them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,6 +31,19 @@ def trained_run(runs_dir: Path, name: str = "trained") -> Path:
     return cfg.run_dir
 
 
+def warm_run(runs_dir: Path, name: str = "warm") -> Path:
+    """Two RL steps after an SFT warm start on a few transcripts; held-out evaluations before, after SFT, after
+    step 1 (rollout.eval_every) and after; SFT's held-out NLL before and after it."""
+    demos = runs_dir / f"{name}-demos.jsonl"  # a file, not a run directory: the dashboard passes it by
+    demos.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w} {w}"}]}) + "\n"
+        for w in ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano")))
+    cfg = tiny_cfg(runs_dir, name, "rollout.steps=2", "rollout.eval_tasks=2", "rollout.eval_every=1",
+                   f"train.sft.files=[{demos}]", "train.sft.batch_transcripts=4", "train.sft.heldout_fraction=0.25")
+    train(cfg)
+    return cfg.run_dir
+
+
 def smollm2_tokenizer():
     """SmolLM2's tokenizer (tokenizer.json, the tokenizers library) and its file."""
     from tokenizers import Tokenizer
@@ -39,10 +55,19 @@ def smollm2_tokenizer():
 AGENTIC_STEPS = [
     {"kind": "step", "step": i + 1, "reward": r, "success": sc, "loss/total": loss,
      "spec/spec_mean_acceptance_length": acc, "zz_custom/metric": custom, "rollout_s": ro, "train_s": tr,
-     "publish_s": pub, "step_s": 1.6}
+     "publish_s": pub, "step_s": ro + tr + pub + 0.25}
     for i, (r, sc, loss, acc, custom, ro, tr, pub) in enumerate([
         (0.25, 0.0, 0.5, 1.5, 7.0, 1.0, 0.5, 0.1), (0.5, 0.5, 0.25, 2.5, 8.0, 1.1, 0.4, 0.1),
         (0.75, 0.5, 0.125, 3.5, 9.0, 0.9, 0.5, 0.2)])
+]
+# held-out rows as run/job.py's _evaluate writes them on code_repair with eval_perturbed and an SFT warm start:
+# (step, split, stage, eval_success)
+AGENTIC_EVALS = [
+    {"kind": "eval", "step": step, "split": split, "stage": stage, "eval_success": sc, "eval_reward": sc,
+     "eval_tool_use": 1.0, "eval_s": 2.0}
+    for step, split, stage, sc in [(0, "eval", "before", 0.25), (0, "eval_perturbed", "before", 0.125),
+                                   (0, "eval", "after_sft", 0.5), (0, "eval_perturbed", "after_sft", 0.25),
+                                   (3, "eval", "after", 0.75), (3, "eval_perturbed", "after", 0.375)]
 ]
 
 
@@ -57,7 +82,7 @@ def agentic_run(runs_dir: Path, name: str = "agentic") -> tuple[Path, dict]:
     (run / "checkpoint").mkdir()
     shutil.copy(tok_file, run / "checkpoint" / "tokenizer.json")
     log = MetricsLog(run / "metrics.jsonl")
-    for row in AGENTIC_STEPS:
+    for row in AGENTIC_EVALS[:4] + AGENTIC_STEPS + AGENTIC_EVALS[4:]:
         log.write(row)
 
     # timeline of step 1 (index 0): request A in three pieces, the second on another engine (a migration),

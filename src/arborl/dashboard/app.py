@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from arborl.dashboard import pool
 from arborl.dashboard.knobs import knob_rows, redact
-from arborl.dashboard.runs import WELL_KNOWN, Run, find_runs, metric_columns, run_keys
+from arborl.dashboard.runs import WELL_KNOWN, Run, eval_series, find_runs, metric_columns, run_keys, time_split
 from arborl.dashboard.timeline import step_figure, timeline_steps
 from arborl.dashboard.trajectory import episode_view, run_tokenizer
 from arborl.types import ArborlError
@@ -114,7 +114,8 @@ def create_app(paths: list[str | Path]) -> FastAPI:
         columns = metric_columns([r for rows in data.values() for r in rows])
         known = sum(c in WELL_KNOWN for c in columns)  # they come first; the page draws the rest on demand
         return _json({"columns": columns, "known": known, "runs": {
-            k: {kind: [r for r in rows if r.get("kind") == kind] for kind in ("step", "eval")}
+            k: {**{kind: [r for r in rows if r.get("kind") == kind] for kind in ("step", "eval")},
+                "eval_series": eval_series(rows), "time_split": time_split(rows)}
             for k, rows in data.items()}})
 
     @app.get("/api/timeline")

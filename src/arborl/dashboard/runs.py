@@ -29,6 +29,12 @@ WELL_KNOWN = (
     "train/grad_norm", "generated_tokens", "samples", "zero_variance_groups",
 )
 
+# a step's time by part, as its metrics row records them (column, label), stacked; "other" is step_s less their
+# sum. No row records reward scoring (inside rollout_s: episodes are scored as they finish) or idle time apart
+# (under an async policy rollout_s is the trainer's wait for a batch), nor a step's peak memory.
+TIME_PARTS = (("rollout_s", "rollout"), ("train_s", "train"), ("mtp/step_s", "MTP draft training"),
+              ("publish_s", "weight sync"))
+
 
 class RunNotFoundError(ArborlError):
     """A path given is neither a run directory nor a directory holding run directories."""
@@ -122,7 +128,8 @@ class Run:
         """The figures `arborl runs` lists and `arborl compare` sets side by side."""
         rows = self.rows()
         steps = [r for r in rows if r.get("kind") == "step"]
-        evals = [r for r in rows if r.get("kind") == "eval"]
+        # held-out success on the eval split (not eval_perturbed, not SFT's held-out NLL rows)
+        evals = [r for r in rows if r.get("kind") == "eval" and r.get("split", "eval") == "eval" and "eval_success" in r]
         cfg = self.config_data()
         summary = self.summary()
         rollout = cfg.get("rollout") or {}
@@ -159,6 +166,39 @@ def metric_columns(rows: list[dict[str, Any]]) -> list[str]:
     seen = {k for r in rows for k, v in r.items()
             if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return [k for k in WELL_KNOWN if k in seen] + sorted(seen - set(WELL_KNOWN))
+
+
+def eval_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out rows as the curves draw them: a line per split (eval; code_repair's eval_perturbed) through
+    the RL stages (before, every rollout.eval_every steps, after), and the evaluation after the SFT warm start
+    (stage after_sft, at step 0) a series of its own, so that neither the splits nor the SFT point join into
+    one line. A row without a split (a rollout.eval_every one) is the eval split's; SFT's held-out NLL rows
+    (heldout_nll, no split) are "SFT held-out"."""
+    series: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("kind") != "eval":
+            continue
+        split = r.get("split") or ("SFT held-out" if "heldout_nll" in r else "eval")
+        stage = "after_sft" if r.get("stage") == "after_sft" else "rl"
+        name = f"{split} after SFT" if stage == "after_sft" else split
+        series.setdefault(name, {"name": name, "split": split, "stage": stage, "rows": []})["rows"].append(r)
+    return list(series.values())
+
+
+def time_split(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each step's seconds by part (TIME_PARTS that a step row records; a row lacking one counts 0 there) and
+    "other": step_s less the parts (building samples, recording, the timeline; never below 0)."""
+    steps = [r for r in rows if r.get("kind") == "step"]
+
+    def num(r: dict[str, Any], k: str) -> float:
+        return float(r[k]) if isinstance(r.get(k), (int, float)) else 0.0
+
+    parts = [{"key": k, "name": label, "y": [num(r, k) for r in steps]}
+             for k, label in TIME_PARTS if any(isinstance(r.get(k), (int, float)) for r in steps)]
+    if parts and any(isinstance(r.get("step_s"), (int, float)) for r in steps):
+        parts.append({"key": "other", "name": "other", "y": [
+            max(0.0, num(r, "step_s") - sum(p["y"][i] for p in parts)) for i, r in enumerate(steps)]})
+    return {"x": [r.get("step") for r in steps], "parts": parts}
 
 
 def format_value(v: Any) -> str:

@@ -286,6 +286,8 @@ class Gateway:
                 prompt, info = self._chat_prompt(session, messages, chain, tools)
                 meta["input"] = "messages"
                 meta.update(info)
+                if self.config.record_messages:  # what `arborl audit` re-renders
+                    meta["request"] = {"messages": messages, "tools": tools}
             if ignored:
                 meta["ignored_params"] = ignored
             if tools:

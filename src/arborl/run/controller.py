@@ -33,6 +33,7 @@ from arborl.agents.served import serve_http, serve_unix
 from arborl.config import Config, JudgeConfig
 from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
+from arborl.gateway.audit import call_drifted
 from arborl.gateway.core import Gateway
 from arborl.rewards.shaping import task_reward
 from arborl.scheduling.consume import make_consume
@@ -352,6 +353,8 @@ class Controller:
             "zero_variance_groups": stats.zero_variance_groups,
             "samples": stats.samples,
             "generated_tokens": gen_tokens,
+            "calls": sum(len(e.calls) for e in episodes),
+            "drift_calls": sum(call_drifted(c) for e in episodes for c in e.calls),
             "rollout_s": rollout_s,
             "rollout_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
             "train_s": train_metrics.get("train/step_s", 0.0),

@@ -60,6 +60,10 @@ class IdleRunError(ArborlError):
     """The run stopped because too many steps in a row trained nothing (rollout.max_idle_steps)."""
 
 
+class TokenDriftError(ArborlError):
+    """The run stopped because too many of its calls drifted (gateway.max_drift_rate)."""
+
+
 def _controller(cfg: Config, suite: ConfiguredSuite, trainer: Trainer | None, serving_model, loaded, run_dir: Path,
                 version: int = 0, start_step: int = 0):
     """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
@@ -214,6 +218,12 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         if not supervised():  # in the trainer actor the driver says it
             _say(console, msg, style="yellow")
         raise RunStopped(msg, stop.signum or 0)
+    if stopped == "drift":
+        d = summary["drift"]
+        raise TokenDriftError(
+            f"stopped after step {done}: {d['drift_calls']} of {d['calls']} calls drifted ({d['drift_calls'] / d['calls']:.1%}"
+            f" > gateway.max_drift_rate={cfg.gateway.max_drift_rate}): re-rendering their conversations gives other "
+            f"token ids than the engine's. See where with `arborl audit {run.path}`; the checkpoint (step {done}) is saved")
     if stopped == "idle":
         first = done - r.max_idle_steps + 1
         raise IdleRunError(
@@ -280,6 +290,7 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
                  f"(send {name} again to stop at once without saving)", style="yellow"))
     stopped: str | None = None
     done, idle, last = start_step, 0, {}
+    drift = [0, 0]  # drifted calls, calls, over this invocation's steps
     try:
         if start_step == 0 and r.eval_tasks:
             console.print(f"evaluating the starting policy on {plural(r.eval_tasks, 'held-out task')} ...")
@@ -301,6 +312,12 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
                     _say(console, idle_warning(last, r.group_size, idle, r.max_idle_steps), style="yellow")
                 if r.max_idle_steps and idle >= r.max_idle_steps:
                     stopped = "idle"
+                    break
+                drift = [drift[0] + last.get("drift_calls", 0), drift[1] + last.get("calls", 0)]
+                bound = cfg.gateway.max_drift_rate
+                if bound is not None and drift[1] and drift[0] / drift[1] > bound:
+                    stopped = "drift"
+                    summary["drift"] = {"drift_calls": drift[0], "calls": drift[1]}
                     break
                 if r.eval_every and done % r.eval_every == 0 and done != r.steps:
                     ev = await ctl.evaluate(r.eval_tasks)

@@ -78,7 +78,16 @@ async function pageRuns() {
 }
 
 // ---------------------------------------------------------------- curves
-const TIME_SPLIT = ["rollout_s", "train_s", "publish_s"];
+// a chart's title is HTML above its plot: a Plotly title sits under the plot's toolbar (the modebar); a new
+// object per chart, as Plotly writes its ranges into the layout it is given
+function chartLayout(more) { return {margin: {l: 50, r: 10, t: 28, b: 30}, xaxis: {title: {text: "step"}}, ...more}; }
+
+// what a run's chart of `metric` draws: its step rows, or, for a held-out column (no step row has it), a line
+// per split and the SFT stage's evaluation apart (api/curves' eval_series)
+function seriesOf(d, metric) {
+  if (d.step.some(r => typeof r[metric] === "number")) return [{name: "", stage: "rl", rows: d.step}];
+  return d.eval_series;
+}
 
 async function pageCurves() {
   const chosen = params.getAll("run");
@@ -89,12 +98,17 @@ async function pageCurves() {
   const more = el("details", {id: "more"}, el("summary", {text: "all other metrics"}));
   const moreGrid = el("div", {class: "grid"});
   more.append(moreGrid);
-  main.append(head, known, el("h3", {text: "step time split (rollout / train / publish)"}), split, more);
+  main.append(head, known, el("h3", {text: "step time split (rollout / train / weight sync / other), seconds"}), split,
+    more);
   const charts = new Map();  // metric -> div
 
-  function chart(grid, metric) {
+  function chart(grid, metric, title) {
     let d = charts.get(metric);
-    if (!d) { d = el("div", {class: "chart", "data-metric": metric}); grid.append(d); charts.set(metric, d); }
+    if (!d) {
+      d = el("div", {class: "chart", "data-metric": metric});
+      grid.append(el("figure", {class: "panel"}, el("figcaption", {text: title}), d));
+      charts.set(metric, d);
+    }
     return d;
   }
 
@@ -106,22 +120,24 @@ async function pageCurves() {
     for (const metric of data.columns) {
       const traces = [];
       for (const run of runs) {
-        const rows = metric.startsWith("eval_") ? data.runs[run].eval : data.runs[run].step;
-        const pts = rows.filter(r => typeof r[metric] === "number");
-        if (!pts.length) continue;
-        traces.push({x: pts.map(r => r.step), y: pts.map(r => r[metric]), name: run, mode: "lines+markers", type: "scatter"});
+        for (const s of seriesOf(data.runs[run], metric)) {
+          const pts = s.rows.filter(r => typeof r[metric] === "number");
+          if (!pts.length) continue;
+          const sft = s.stage === "after_sft";  // one point (per split) at step 0, not joined to the RL line
+          traces.push({x: pts.map(r => r.step), y: pts.map(r => r[metric]), type: "scatter",
+            name: [runs.length > 1 ? run : "", s.name].filter(Boolean).join(" ") || run,
+            mode: sft ? "markers" : "lines+markers", ...(sft ? {marker: {symbol: "star", size: 12}} : {})});
+        }
       }
       const grid = first.includes(metric) ? known : moreGrid;
       if (grid === moreGrid && !more.open && !charts.has(metric)) continue;  // drawn when opened
-      Plotly.react(chart(grid, metric), traces, {title: {text: metric, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 30},
-        xaxis: {title: {text: "step"}}, showlegend: runs.length > 1}, PLOT_CONFIG);
+      Plotly.react(chart(grid, metric, metric), traces, chartLayout({showlegend: traces.length > 1}), PLOT_CONFIG);
     }
     for (const run of runs) {
-      const rows = data.runs[run].step;
-      const traces = TIME_SPLIT.filter(k => rows.some(r => typeof r[k] === "number")).map(k => ({
-        type: "bar", name: k, x: rows.map(r => r.step), y: rows.map(r => r[k] ?? 0)}));
-      Plotly.react(chart(split, "split:" + run), traces, {barmode: "stack", title: {text: run, font: {size: 13}},
-        margin: {l: 50, r: 10, t: 30, b: 30}, xaxis: {title: {text: "step"}}, yaxis: {title: {text: "s"}}}, PLOT_CONFIG);
+      const ts = data.runs[run].time_split;
+      const traces = ts.parts.map(p => ({type: "bar", name: p.name, x: ts.x, y: p.y}));
+      Plotly.react(chart(split, "split:" + run, run), traces, chartLayout({barmode: "stack",
+        yaxis: {title: {text: "s"}}}), PLOT_CONFIG);
     }
     status("updated " + new Date().toLocaleTimeString());
     document.body.dataset.ready = "1";
