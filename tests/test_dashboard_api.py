@@ -1,6 +1,6 @@
 """The dashboard's JSON API over real run directories (a real tiny training run, and an agentic run
-written through arborl's own writers), over a real HTTP server: curves carry every numeric column,
-the timeline one bar per recorded piece, the trajectory view the trainer's tokens with the loss mask the
+written through arborl's own writers, and a real run with an SFT warm start), over a real HTTP server: curves
+carry every numeric column, a held-out series per split with the SFT stage apart, each step's time split; the timeline one bar per recorded piece, the trajectory view the trainer's tokens with the loss mask the
 data pool implies; the data pool is read without being written, and live; `/dashboard` under
 `arborl serve`."""
 

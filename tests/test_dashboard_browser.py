@@ -1,5 +1,6 @@
 """The dashboard in a real headless browser (Debian's chromium driven by Playwright): every page loads
-with no console error; the curves hold the run's values (two runs overlaid); the timeline draws one
+with no console error; the curves hold the run's values (two runs overlaid), a line per held-out split
+with the SFT stage a point apart, and titles clear of the plot toolbar; the timeline draws one
 bar per recorded piece; the trajectory view shows the recorded token ids decoded, coloured by the loss
 mask the data pool implies (built here from the calls by hand), and the other colourings; a screenshot
 of each page goes to test-artifacts/dashboard/."""
@@ -106,10 +107,12 @@ def test_curve_titles_clear_the_toolbar_and_held_out_splits_are_separate_lines(s
     charts = page.evaluate("""() => Array.from(document.querySelectorAll('#main .chart')).map(c => {
         const cap = c.closest('figure') && c.closest('figure').querySelector('figcaption');
         const box = e => e.getBoundingClientRect().toJSON();
-        return {metric: c.dataset.metric, caption: cap ? cap.textContent : null, modebar: box(c.querySelector('.modebar')),
+        return {metric: c.dataset.metric, caption: cap ? cap.textContent : null,
+                modebar: box(c.querySelector('.modebar')),
                 titles: [cap, ...c.querySelectorAll('.gtitle')].filter(Boolean).map(box)};
     })""")
-    assert len(charts) > 10 and {"split:agentic", "split:warm", "eval_success", "heldout_nll"} <= {c["metric"] for c in charts}
+    drawn = {c["metric"] for c in charts}
+    assert len(charts) > 10 and {"split:agentic", "split:warm", "eval_success", "heldout_nll"} <= drawn
 
     def overlap(a, b):
         return a["left"] < b["right"] and b["left"] < a["right"] and a["top"] < b["bottom"] and b["top"] < a["bottom"]

@@ -125,6 +125,8 @@ def test_a_gymnasium_env_trains_and_its_per_turn_rewards_land_on_their_calls(tmp
         assert "turn 1 after" in tok.decode(e.calls[1].prompt_token_ids)[len(first):]
     metrics = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m for m in metrics if m.get("kind") == "eval"], "held-out evaluation ran"
+    peaks = [m["memory/peak_rss_gb"] for m in metrics if m.get("kind") == "step"]
+    assert 0.2 < peaks[0] <= peaks[1]  # the job's peak so far: torch alone holds more; it never goes down
 
 
 def test_max_turns_ends_an_episode_and_its_last_reward_is_the_outcome(tmp_path, envs_file):

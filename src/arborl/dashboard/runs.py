@@ -21,10 +21,10 @@ SPANS = Path("timeline") / "spans.jsonl"
 
 # metrics shown first, in this order; every other numeric column of metrics.jsonl follows, sorted
 WELL_KNOWN = (
-    "reward", "success", "tool_use", "eval_success", "eval_reward", "loss/total", "loss/pg", "loss/kl",
+    "reward", "success", "tool_use", "eval_success", "eval_reward", "heldout_nll", "loss/total", "loss/pg", "loss/kl",
     "loss/approx_kl", "loss/entropy", "loss/clip_frac", "loss/clip_frac_high", "loss/clip_frac_low",
     "mismatch/k3_kl", "mismatch/logp_abs_diff_mean", "mismatch/masked_frac", "rollout_tokens_per_s",
-    "rollout_s", "train_s", "publish_s", "step_s", "sched/max_version_gap", "spec/spec_mean_acceptance_length",
+    "rollout_s", "train_s", "publish_s", "step_s", "memory/peak_rss_gb", "sched/max_version_gap", "spec/spec_mean_acceptance_length",
     "spec/spec_acceptance_rate",
     "train/grad_norm", "generated_tokens", "samples", "zero_variance_groups",
 )
@@ -129,7 +129,8 @@ class Run:
         rows = self.rows()
         steps = [r for r in rows if r.get("kind") == "step"]
         # held-out success on the eval split (not eval_perturbed, not SFT's held-out NLL rows)
-        evals = [r for r in rows if r.get("kind") == "eval" and r.get("split", "eval") == "eval" and "eval_success" in r]
+        evals = [r for r in rows
+                 if r.get("kind") == "eval" and r.get("split", "eval") == "eval" and "eval_success" in r]
         cfg = self.config_data()
         summary = self.summary()
         rollout = cfg.get("rollout") or {}

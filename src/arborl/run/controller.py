@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -362,6 +363,9 @@ class Controller:
             "publish_mb": self.published_bytes / 1e6,
             "step_s": step_s,
             "memory/engine_released_gb": released / 1e9,
+            # the job process's peak resident memory so far (Linux reports ru_maxrss in KiB); sandboxes and
+            # worker processes are not in it
+            "memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
             "policy_version": self.version,
             "sched/max_version_gap": gap,
             "sched/dropped_groups": st["dropped"],

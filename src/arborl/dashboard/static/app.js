@@ -131,7 +131,8 @@ async function pageCurves() {
       }
       const grid = first.includes(metric) ? known : moreGrid;
       if (grid === moreGrid && !more.open && !charts.has(metric)) continue;  // drawn when opened
-      Plotly.react(chart(grid, metric, metric), traces, chartLayout({showlegend: traces.length > 1}), PLOT_CONFIG);
+      Plotly.react(chart(grid, metric, metric), traces, chartLayout({showlegend: traces.length > 1 || runs.length > 1}),
+        PLOT_CONFIG);
     }
     for (const run of runs) {
       const ts = data.runs[run].time_split;
