@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox compiler browser vllm train code-repair-demos code-repair test bench-engine knobs glossary figures clean
+.PHONY: venv test-deps sandbox compiler browser vllm mswea mini-swe-agent-demos mini-swe-agent train code-repair-demos code-repair test bench-engine knobs glossary figures clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -63,6 +63,30 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(VLLM_VENV)/.installed
 
+# the real mini-swe-agent (PyPI) for configs/mini_swe_agent.yaml, in its own venv: its litellm pins
+# importlib_metadata and python-dateutil below arborl's. Runs offline once installed (run.py says how).
+MSWEA_VENV ?= .venv-mswea
+MSWEA_PIN  ?= mini-swe-agent==2.4.6
+$(MSWEA_VENV)/.installed:
+	test -x $(MSWEA_VENV)/bin/python || $(PYTHON) -m venv $(MSWEA_VENV)
+	$(MSWEA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MSWEA_VENV)/bin/python -m pip install -q "$(MSWEA_PIN)"
+	touch $@
+
+mswea: $(MSWEA_VENV)/.installed
+
+# the mini-swe-agent job (configs/mini_swe_agent.yaml): demonstrations in mini's own action format, rendered by
+# mini itself in the sandbox, then `arborl train` = evals, SFT on them, evals, GRPO through the gateway, evals
+MSWEA_CONFIG := configs/mini_swe_agent.yaml
+mini-swe-agent-demos: venv sandbox mswea
+	$(VENV)/bin/arborl envs validate code_repair $(MSWEA_CONFIG) --tier easy
+	$(VENV)/bin/arborl envs demos code_repair $(MSWEA_CONFIG) --split train --per-task 1 \
+	  --render-command "$(MSWEA_VENV)/bin/python examples/mini_swe_agent/demo.py --config examples/mini_swe_agent/config.yaml" \
+	  --out runs/mini-swe-agent-demos.jsonl
+
+mini-swe-agent: mini-swe-agent-demos
+	$(VENV)/bin/arborl train $(MSWEA_CONFIG) --overwrite
+
 # the default job: calculator tool use on SmolLM2-135M-Instruct, CPU; outputs in runs/<name>/
 RUN ?= train-$(shell date +%Y%m%d-%H%M%S)
 train: venv
@@ -85,7 +109,7 @@ code-repair: code-repair-demos
 # (tests/pace.py): no verdict may depend on the machine's speed
 PACE_FILES := tests/test_dispatcher.py tests/test_engine.py tests/test_agents.py tests/test_gateway_routing.py \
               tests/test_workers.py tests/test_run_lifecycle.py
-test: test-deps vllm
+test: test-deps vllm mswea
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	ARBORL_TEST_PACE=slow $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)
 	ARBORL_TEST_PACE=fast $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import os
 from pathlib import Path
 from typing import Optional
@@ -453,6 +454,10 @@ def envs_demos(
     split: str = typer.Option("train", "--split", help="train (what SFT may see) or eval"),
     per_task: int = typer.Option(2, "--per-task", min=1, help="demonstrations per task (each takes another path)"),
     limit: int = typer.Option(0, "--limit", min=0, help="only the first N tasks of the split (0 = all)"),
+    render_command: Optional[str] = typer.Option(
+        None, "--render-command", help="code_repair: a program (shell words) run in each demo's sandbox that renders "
+        "the expert's steps in another harness's format, e.g. '.venv-mswea/bin/python examples/mini_swe_agent/demo.py "
+        "--config examples/mini_swe_agent/config.yaml' (its folders in rollout.envs.ro_binds)"),
     overrides: list[str] = typer.Option([], "--set", help="override a knob, key.path=value (repeatable)"),
 ) -> None:
     """Demonstrations from the suite itself: a scripted expert reaches each task's gold patch through the code
@@ -475,7 +480,8 @@ def envs_demos(
     if suite != "code_repair":
         raise _fail(console, f"demonstrations are generated for the code_repair and harbor suites, not {suite!r}")
     try:
-        res = write_demos(load_config(config, overrides), out, split=split, per_task=per_task, limit=limit)
+        res = write_demos(load_config(config, overrides), out, split=split, per_task=per_task, limit=limit,
+                          render=shlex.split(render_command) if render_command else ())
     except (ArborlError, ValueError) as e:
         raise _fail(console, e) from None
     console.print(f"wrote {res['kept']} demonstrations of {res['tasks']} {split} tasks to {out}; dropped "

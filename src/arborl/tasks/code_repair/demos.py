@@ -17,8 +17,11 @@ import asyncio
 import difflib
 import json
 import random
-from collections.abc import Callable
+import re
+import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from arborl.agents.recording import ScriptedClient, tool_call
@@ -131,17 +134,85 @@ async def make_demos(suite: CodeRepairSuite, tasks: list[Task], *, per_task: int
     return report
 
 
+_THOUGHTS = {"list_files": "Let me see the files of the repository.", "read_file": "Let me read {path}.",
+             "run_command": "Let me check that it compiles.", "replace_in_file": "I fix the bug in {path}.",
+             "answer": "The bug is fixed, so I submit."}
+
+
+def shell_step(action: Action) -> dict[str, str]:
+    """An expert action as a thought and one shell command (for harnesses whose only tool is a shell)."""
+    name, args = action
+    if name == "list_files":
+        command = f"find {shlex.quote(args.get('path', '.'))} -type f -name '*.py' | sort"
+    elif name == "read_file":
+        command = f"cat -n {shlex.quote(args['path'])}"
+    elif name == "run_command":
+        command = args["command"]
+    elif name == "replace_in_file":
+        command = (f"python - <<'EOF'\np = {args['path']!r}\ns = open(p).read()\n"
+                   f"open(p, 'w').write(s.replace({args['old']!r}, {args['new']!r}, 1))\nEOF")
+    elif name == "answer":
+        command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+    else:
+        raise ValueError(f"no shell form for the expert action {name!r}")
+    return {"thought": _THOUGHTS[name].format(path=args.get("path", "")), "command": command}
+
+
+async def make_rendered_demos(suite: CodeRepairSuite, tasks: list[Task], render: Sequence[str], *, per_task: int = 2,
+                              seed: int = 0, planner: Planner = expert_plan, concurrency: int = 2) -> DemoReport:
+    """Demonstrations in another harness's own format: ``render`` (a program run in each demo's sandbox) gets
+    the task and the expert's steps as shell commands (JSON on stdin: {task, steps: [{thought, command}]}),
+    executes them its own way and prints {"messages": [...]} as its last stdout line; the hidden tests then
+    judge the workspace, and only passing demos are kept."""
+    report = DemoReport()
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(task: Task, k: int) -> None:
+        rt = suite.repair_task(task)
+        steps = [shell_step(a) for a in planner(rt, random.Random(f"{seed}:{rt.hash}:{k}"), suite.max_turns)]
+        facts = {"task_id": task.task_id, "hash": rt.hash, "split": rt.split, "tier": rt.tier,
+                 "template": rt.meta.get("template")}
+        async with gate:
+            ws = await suite.prepare(task, episode_id=re.sub(r"[^A-Za-z0-9._-]", "_", f"render-{rt.hash[:12]}-{k}"))
+            try:
+                res = await suite.runtime.run(ws, list(render), stdin=json.dumps({"task": task.prompt, "steps": steps}),
+                                              timeout_s=max(60.0, suite.command_timeout_s * len(steps)))
+                verdict = await suite.evaluate(task, ws)
+            finally:
+                await suite.close(ws)
+        try:
+            transcript = json.loads(res.stdout.strip().splitlines()[-1])
+            messages = transcript["messages"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            report.dropped.append({**facts, "passed": verdict.passed, "total": len(verdict.results),
+                                   "reason": f"the render program printed no transcript (exit {res.returncode}): "
+                                             f"{res.stderr[-300:]}"})
+            return
+        facts.update(passed=verdict.passed, total=len(verdict.results))
+        if verdict.all_pass:
+            report.demos.append({"messages": messages, "tools": [], **facts})
+        else:
+            report.dropped.append({**facts, "reason": "the final workspace fails hidden tests"})
+
+    await asyncio.gather(*(one(t, k) for t in tasks for k in range(per_task)))
+    report.demos.sort(key=lambda d: (d["task_id"], d["messages"][-1]["content"], len(d["messages"])))
+    return report
+
+
 def write_demos(cfg: Any, out: Any, *, split: str = "train", per_task: int = 2, limit: int = 0,
-                seed: int | None = None) -> dict[str, Any]:
+                seed: int | None = None, render: Sequence[str] = ()) -> dict[str, Any]:
     """`arborl envs demos code_repair`: demonstrations of the ``split`` tasks the config allows, written to
     ``out`` (JSONL); returns the counts (kept, dropped, tasks) and the path."""
-    from pathlib import Path
-
     r = cfg.rollout
     suite = CodeRepairSuite(r.code_repair, envs=r.envs, max_turns=r.max_turns)
     pool = suite.pool(split)
     tasks = [suite._task(t) for t in (pool[:limit] if limit else pool)]
-    report = asyncio.run(make_demos(suite, tasks, per_task=per_task, seed=cfg.seed if seed is None else seed))
+    seed = cfg.seed if seed is None else seed
+    if render:
+        argv = [str(Path(a).absolute()) if Path(a).is_file() else a for a in render]
+        report = asyncio.run(make_rendered_demos(suite, tasks, argv, per_task=per_task, seed=seed))
+    else:
+        report = asyncio.run(make_demos(suite, tasks, per_task=per_task, seed=seed))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in report.demos))
