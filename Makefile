@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # the package itself only asks for a range).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test-deps sandbox compiler browser vllm mswea mini-swe-agent-demos mini-swe-agent train code-repair-demos code-repair test bench-engine knobs glossary figures clean
+.PHONY: venv test-deps sandbox compiler browser vllm mswea verifiers mini-swe-agent-demos mini-swe-agent train code-repair-demos code-repair test bench-engine knobs glossary figures clean
 
 # what `make train` needs: arborl, a CPU torch, the default model's GGUF, peft, the dashboard's Plotly;
 # bubblewrap (below) for the sandboxed environments
@@ -75,6 +75,17 @@ $(MSWEA_VENV)/.installed:
 
 mswea: $(MSWEA_VENV)/.installed
 
+# verifiers (PyPI, 0.4: verifiers.v1) for rollout.task=verifiers, in its own venv: it pins openai<3
+VF_VENV ?= .venv-vf
+VF_PIN  ?= verifiers==0.4.0
+$(VF_VENV)/.installed:
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VF_VENV)/bin/python -m pip install -q "$(VF_PIN)"
+	touch $@
+
+verifiers: $(VF_VENV)/.installed
+
 # the mini-swe-agent job (configs/mini_swe_agent.yaml): demonstrations in mini's own action format, rendered by
 # mini itself in the sandbox, then `arborl train` = evals, SFT on them, evals, GRPO through the gateway, evals
 MSWEA_CONFIG := configs/mini_swe_agent.yaml
@@ -109,7 +120,7 @@ code-repair: code-repair-demos
 # (tests/pace.py): no verdict may depend on the machine's speed
 PACE_FILES := tests/test_dispatcher.py tests/test_engine.py tests/test_agents.py tests/test_gateway_routing.py \
               tests/test_workers.py tests/test_run_lifecycle.py
-test: test-deps vllm mswea
+test: test-deps vllm mswea verifiers
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	ARBORL_TEST_PACE=slow $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)
 	ARBORL_TEST_PACE=fast $(PY) -m pytest -q -n 2 --dist loadfile $(PACE_FILES)

@@ -33,9 +33,8 @@ class GuessNumberEnv(gym.Env):
         super().reset(seed=seed)
         self.secret = int(self.np_random.integers(1, self.high + 1))
         self.guesses = 0
-        middle = (self.high + 1) // 2
-        return (f"Guess my secret number from 1 to {self.high}. Reply with just the number, for example: "
-                f"{middle}"), {"secret": self.secret}
+        return (f"Guess my secret number from 1 to {self.high}. Reply with just the number. After each guess I "
+                "tell you whether my number is higher or lower."), {"secret": self.secret}
 
     def step(self, action: str):
         self.guesses += 1

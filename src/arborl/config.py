@@ -819,6 +819,27 @@ class HarborConfig(Section):
     )
 
 
+class VerifiersConfig(Section):
+    """The verifiers task suite: a verifiers (0.4, verifiers.v1) environment (tasks/verifiers_env.py)."""
+
+    env: str = Field(
+        "",
+        description="the environment: an installed module's id (exporting one verifiers Taskset, and optionally its "
+        "Env) or path/to/env.py[:Attr]; rollout.task=verifiers needs it",
+    )
+    python: str | None = Field(
+        None,
+        description="the interpreter that has verifiers installed and runs the environment (`make verifiers` makes "
+        ".venv-vf/bin/python); None = the one running arborl",
+    )
+    eval_fraction: float = Field(
+        0.2, ge=0, lt=1,
+        description="share of the taskset held out for evaluation, chosen by a hash of each task's key (the same "
+        "split every run)",
+    )
+    list_timeout_s: float = Field(300.0, gt=0, description="most seconds listing the taskset may take at start")
+
+
 class EnvsConfig(Section):
     """Environments: the sandbox runtime agent commands run in, its workspaces and its limits (docs/envs.md)."""
 
@@ -876,7 +897,7 @@ class RolloutConfig(Section):
 
     task: str = Field(
         "calculator",
-        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data), chain (max_turns - 1 dependent tool calls, a wrong step ends the episode), chain_tokens (the same on token ids, max_turns steps, tiny models), code_repair (fix a bug in a small repository, hidden tests; rollout.code_repair), gym (a Gymnasium / GEM / SkyRL-Gym text environment; rollout.gym), harbor (Harbor task folders in the sandbox; rollout.harbor); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
+        description="task suite (registry tasks.TASK_SUITES): calculator, arith, even_tokens, dataset (prompts from rollout.data), chain (max_turns - 1 dependent tool calls, a wrong step ends the episode), chain_tokens (the same on token ids, max_turns steps, tiny models), code_repair (fix a bug in a small repository, hidden tests; rollout.code_repair), gym (a Gymnasium / GEM / SkyRL-Gym text environment; rollout.gym), harbor (Harbor task folders in the sandbox; rollout.harbor), verifiers (a verifiers environment; rollout.verifiers); or a path to your own, package.module:attr or path/to/file.py:attr naming a "
         "factory of the rollout section",
     )
     agent: str = Field(
@@ -926,6 +947,9 @@ class RolloutConfig(Section):
     )
     harbor: HarborConfig = Field(
         default_factory=HarborConfig, description="the task folders of the harbor task suite (Harbor / terminal-bench format)"
+    )
+    verifiers: VerifiersConfig = Field(
+        default_factory=VerifiersConfig, description="the environment of the verifiers task suite and its interpreter"
     )
     gym: GymConfig = Field(
         default_factory=GymConfig,

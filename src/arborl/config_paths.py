@@ -9,7 +9,7 @@ Three kinds of knob, listed in ``PATH_KNOBS``:
 
 * ``path``: a file or directory (a list knob: each item); ``""`` and None mean "unset" and stay.
 * ``ref``: a registered name, ``package.module:attr``, or ``path/to/file.py:attr`` (registry.load_object);
-  only the file of the last form is a path.
+  only the file of the last form is a path (and a whole ``path/to/file.py``, which rollout.verifiers.env takes).
 * ``command``: an executable: a name looked up on PATH (``python``, ``auto``) stays, one with a ``/`` is a path.
 
 ``rollout.agent_command`` and the ``extra_args`` knobs are argv lists, not paths: the program runs from
@@ -50,6 +50,8 @@ PATH_KNOBS: dict[str, PathKind] = {
     "rollout.code_repair.suite_dir": "path",
     "rollout.gym.env": "ref",
     "rollout.harbor.tasks_dir": "path",
+    "rollout.verifiers.env": "ref",
+    "rollout.verifiers.python": "command",
     "rollout.envs.runtime": "ref",
     "rollout.envs.root_dir": "path",
     "rollout.envs.ro_binds": "path",
@@ -76,6 +78,8 @@ def _one(kind: PathKind, value: Any, base: str | Path) -> Any:
         return absolute(value, base)
     if kind == "command":
         return absolute(value, base) if "/" in value else value
+    if value.endswith(".py"):  # a whole file (rollout.verifiers.env names a module file so)
+        return absolute(value, base)
     target, sep, attr = value.rpartition(":")  # ref: only file.py:attr holds a path
     return f"{absolute(target, base)}{sep}{attr}" if sep and target.endswith(".py") else value
 

@@ -2,7 +2,7 @@
 ``dataset`` (prompts from files, ``rollout.data``), ``code_repair`` (buggy repositories with hidden tests,
 ``rollout.code_repair``; ``tasks/code_repair/``), ``gym`` (a Gymnasium / GEM / SkyRL-Gym text environment,
 ``rollout.gym``; ``tasks/gym_env.py``), ``harbor`` (Harbor task folders in the sandbox, ``rollout.harbor``;
-``tasks/harbor/``), or a user's own as ``package.module:attr`` /
+``tasks/harbor/``), ``verifiers`` (a verifiers environment, ``rollout.verifiers``; ``tasks/verifiers_env.py``), or a user's own as ``package.module:attr`` /
 ``path/to/file.py:attr``.
 
 A registry entry is a factory ``(rollout: RolloutConfig) -> TaskSuite`` (a suite class whose
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from arborl.tasks.code_repair import CodeRepairSuite
     from arborl.tasks.gym_env import GymSuite
     from arborl.tasks.harbor import HarborSuite
+    from arborl.tasks.verifiers_env import VerifiersSuite
 
 TASK_SUITES: Registry[SuiteFactory] = Registry("task suite")
 
@@ -80,6 +81,7 @@ def _code_repair(rollout: "RolloutConfig") -> "CodeRepairSuite":
 def _gym(rollout: "RolloutConfig") -> "GymSuite":
     from arborl.tasks.gym_env import GymSuite
     from arborl.tasks.harbor import HarborSuite
+    from arborl.tasks.verifiers_env import VerifiersSuite
 
     return GymSuite(rollout)
 
@@ -87,9 +89,17 @@ def _gym(rollout: "RolloutConfig") -> "GymSuite":
 @TASK_SUITES.register("harbor")
 def _harbor(rollout: "RolloutConfig") -> "HarborSuite":
     from arborl.tasks.harbor import HarborSuite
+    from arborl.tasks.verifiers_env import VerifiersSuite
 
     return HarborSuite(rollout.harbor, envs=rollout.envs, max_turns=rollout.max_turns,
                        command_timeout_s=rollout.envs.wall_s)
+
+
+@TASK_SUITES.register("verifiers")
+def _verifiers(rollout: "RolloutConfig") -> "VerifiersSuite":
+    from arborl.tasks.verifiers_env import VerifiersSuite
+
+    return VerifiersSuite(rollout)
 
 
 def make_suite(rollout: "RolloutConfig") -> ConfiguredSuite:
