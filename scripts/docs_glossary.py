@@ -38,6 +38,7 @@ GROUPS = {
     "I": "inference speed",
     "C": "credit assignment and rewards",
     "E": "environments",
+    "X": "beyond the seed: what users of the peers ask for",
 }
 
 FEATURES: tuple[Feature, ...] = (
@@ -104,6 +105,15 @@ FEATURES: tuple[Feature, ...] = (
     Feature("E4", "An LLM as judge against false positives (ROLL).", ("tasks/judge.py",), ("rollout.judge.mode",)),
     Feature("E5", "Environment diversity: variants with other package versions, configs, removed dependencies "
             "(ROLL).", ("tasks/code_repair/perturb.py",), ("rollout.code_repair.variants",), "(`arborl envs perturb`)"),
+    Feature("X1", "The ecosystem's environment formats: Gymnasium / GEM / SkyRL-Gym text environments, Harbor task "
+            "folders, verifiers environments.", ("tasks/gym_env.py", "tasks/harbor/", "tasks/verifiers_env.py"),
+            ("rollout.task=gym", "rollout.task=harbor", "rollout.task=verifiers"), "(`arborl envs validate harbor`)"),
+    Feature("X2", "An existing agent CLI (mini-swe-agent) learns unchanged through the gateway, warm-started on "
+            "demonstrations in its own format.", ("agents/command.py", "tasks/code_repair/demos.py"),
+            ("rollout.agent=command",), "(`configs/mini_swe_agent.yaml`, `arborl envs demos --render-command`)"),
+    Feature("X4", "Token faithfulness audited: every recorded conversation re-rendered and compared with the ids the "
+            "engine and the trainer used; a run that drifts too much stops.", ("gateway/audit.py",),
+            ("gateway.record_messages", "gateway.max_drift_rate"), "(`arborl audit`)"),
 )
 
 

@@ -183,6 +183,7 @@ def test_every_feature_label_used_has_a_glossary_row():
         used |= set(LABEL.findall(f.read_text()))
     assert used and used <= rows, used - rows
     every = {f"{g}{i}" for g, n in [("A", 4), ("S", 6), ("P", 2), ("I", 6), ("C", 4), ("E", 5)] for i in range(1, n + 1)}
+    every |= {"X1", "X2", "X4"}  # the fourth wave's rows built so far (DESIGN.md's X map)
     assert rows == every  # the whole feature map, nothing else
 
 
@@ -190,7 +191,7 @@ def test_the_glossary_is_generated_and_every_row_holds_in_the_code():
     assert (REPO / "docs/glossary.md").read_text() == docs_glossary.render((REPO / "docs/glossary.md").read_text()), (
         "docs/glossary.md is stale: run make glossary")
     assert [f.label for f in docs_glossary.FEATURES] == sorted(
-        (f.label for f in docs_glossary.FEATURES), key=lambda lab: ("ASPICE".index(lab[0]), lab))
+        (f.label for f in docs_glossary.FEATURES), key=lambda lab: ("ASPICEX".index(lab[0]), lab))
     problems = [p for f in docs_glossary.FEATURES for p in docs_glossary.check(f)]
     assert not problems, problems
     assert "not built" not in (REPO / "docs/glossary.md").read_text()

@@ -1,4 +1,4 @@
-"""The ``command`` agent (``rollout.agent=command``, A2): every episode runs the black-box program
+"""The ``command`` agent (``rollout.agent=command``, A2; X2: mini-swe-agent runs so): every episode runs the black-box program
 ``rollout.agent_command`` (an argv list) once, with ``BlackBoxRunner.attach`` in the episode's session.
 
 The program gets the environment of ``agents/blackbox.py`` -- ``OPENAI_BASE_URL`` (the run's gateway,

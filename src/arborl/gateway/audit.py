@@ -1,4 +1,4 @@
-"""Token faithfulness, audited (`arborl audit RUN`): every recorded chat call's conversation is rendered
+"""Token faithfulness, audited (X4, `arborl audit RUN`): every recorded chat call's conversation is rendered
 again with the chat template and compared with the token ids the engine consumed (which are the ids
 the trainer uses: the data pool holds exactly those).
 

@@ -1,4 +1,4 @@
-"""The ``gym`` task suite: a Gymnasium-style text environment, multi-turn through the white-box loop
+"""The ``gym`` task suite (X1): a Gymnasium-style text environment, multi-turn through the white-box loop
 (``rollout.task=gym``, knobs ``rollout.gym.*``).
 
 Two conventions are accepted, told apart by the environment's methods:

@@ -1,4 +1,4 @@
-"""The ``verifiers`` task suite: a verifiers (0.4, ``verifiers.v1``) environment (``rollout.task=verifiers``,
+"""The ``verifiers`` task suite (X1): a verifiers (0.4, ``verifiers.v1``) environment (``rollout.task=verifiers``,
 knobs ``rollout.verifiers.*``).
 
 The environment runs in the interpreter it is installed in (``rollout.verifiers.python``; ``make verifiers``

@@ -160,7 +160,7 @@ def shell_step(action: Action) -> dict[str, str]:
 
 async def make_rendered_demos(suite: CodeRepairSuite, tasks: list[Task], render: Sequence[str], *, per_task: int = 2,
                               seed: int = 0, planner: Planner = expert_plan, concurrency: int = 2) -> DemoReport:
-    """Demonstrations in another harness's own format: ``render`` (a program run in each demo's sandbox) gets
+    """Demonstrations in another harness's own format (X2: mini-swe-agent's, rendered by mini): ``render`` (a program run in each demo's sandbox) gets
     the task and the expert's steps as shell commands (JSON on stdin: {task, steps: [{thought, command}]}),
     executes them its own way and prints {"messages": [...]} as its last stdout line; the hidden tests then
     judge the workspace, and only passing demos are kept."""

@@ -1,4 +1,4 @@
-"""The ``harbor`` task suite: Harbor task folders (``rollout.task=harbor``, knobs ``rollout.harbor.*``).
+"""The ``harbor`` task suite (X1): Harbor task folders (``rollout.task=harbor``, knobs ``rollout.harbor.*``).
 
 An episode (``HarborEpisode``) is: a fresh bubblewrap workspace built from the task's ``environment/``
 (``task_folder.py`` says what a Dockerfile may hold) shown at its workdir (``/app`` by default), the
