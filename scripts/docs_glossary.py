@@ -110,7 +110,7 @@ FEATURES: tuple[Feature, ...] = (
             ("rollout.task=gym", "rollout.task=harbor", "rollout.task=verifiers"), "(`arborl envs validate harbor`)"),
     Feature("X2", "An existing agent CLI (mini-swe-agent) learns unchanged through the gateway, warm-started on "
             "demonstrations in its own format.", ("agents/command.py", "tasks/code_repair/demos.py"),
-            ("rollout.agent=command",), "(`configs/mini_swe_agent.yaml`, `arborl envs demos --render-command`)"),
+            ("rollout.agent_command",), "(`configs/mini_swe_agent.yaml`, `arborl envs demos --render-command`)"),
     Feature("X4", "Token faithfulness audited: every recorded conversation re-rendered and compared with the ids the "
             "engine and the trainer used; a run that drifts too much stops.", ("gateway/audit.py",),
             ("gateway.record_messages", "gateway.max_drift_rate"), "(`arborl audit`)"),
