@@ -113,6 +113,8 @@ def test_a_workdir_that_would_hide_the_bound_python_is_refused(tmp_path):
 
 
 def test_the_local_runtime_refuses_to_remap_paths(tmp_path):
+    with pytest.raises(EnvError, match="use rollout.envs.runtime=bwrap"):
+        HarborSuite(HarborConfig(tasks_dir=str(TASKS)), envs=EnvsConfig(runtime="local"))
     suite = HarborSuite(HarborConfig(tasks_dir=str(TASKS)), envs=EnvsConfig(runtime="local", root_dir=str(tmp_path / "r")),
                         runtime_factory=LocalRuntime)
     with pytest.raises(EnvError, match="cannot show a directory at /tests"):

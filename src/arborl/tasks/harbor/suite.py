@@ -142,6 +142,9 @@ class HarborSuite:
                  command_timeout_s: float = 30.0, runtime_factory: Any = None) -> None:
         if not cfg.tasks_dir:
             raise EnvError("rollout.task=harbor needs rollout.harbor.tasks_dir: a directory of Harbor task folders")
+        if envs.runtime == "local" and runtime_factory is None:
+            raise EnvError("rollout.task=harbor runs its verifier at /tests and /logs/verifier, which the local runtime "
+                           "cannot show: use rollout.envs.runtime=bwrap")
         self.cfg = cfg
         self.envs = envs
         self.max_turns = max_turns
