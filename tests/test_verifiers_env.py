@@ -47,8 +47,9 @@ def test_a_verifiers_environment_trains_through_the_gateway(tmp_path):
     multi = 0
     for e in episodes:
         assert e.status.value == "finished", e.meta.get("outcome")
-        result = json.loads(e.meta["outcome"]["answer"])
+        result = e.meta["outcome"]["info"]["verifiers"]
         assert result["ok"] and not result["errors"]
+        assert json.loads(e.meta["outcome"]["answer"]) == {"reward": result["reward"], "rewards": result["rewards"]}
         found, valid = e.reward_components["found"], e.reward_components["valid"]
         assert e.reward_components["outcome"] == pytest.approx(found + 0.1 * valid)  # verifiers' weighted reward
         assert len(e.calls) == result["turns"] and 1 <= len(e.calls) <= 3  # every turn reached the gateway
@@ -62,6 +63,19 @@ def test_a_verifiers_environment_trains_through_the_gateway(tmp_path):
     assert multi, "a random tiny model never guesses right at once: some episode went on"
     metrics = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(m.get("kind") == "eval" for m in metrics)
+    assert not _bridges(), "the job closed its verifiers bridge process"
+
+
+def _bridges() -> list[str]:
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if p.name.isdigit() and "verifiers_bridge.py serve" in cmd:
+            out.append(cmd)
+    return out
 
 
 def test_setup_mistakes_fail_at_start_saying_what_to_fix(tmp_path):

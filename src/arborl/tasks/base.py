@@ -53,6 +53,13 @@ class ConfiguredSuite:
     def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
         return self.suite.score(task, outcome, calls)
 
+    def close(self) -> None:
+        """Release what the suite started (a subprocess, a server); suites without anything to release
+        have no ``close``."""
+        close = getattr(self.suite, "close", None)
+        if callable(close):
+            close()
+
     def __getattr__(self, attr: str) -> Any:
         if attr in ("suite", "rollout"):  # not set yet (copy, pickle): never recurse
             raise AttributeError(attr)

@@ -4,11 +4,15 @@ This file imports nothing of arborl: arborl runs it with ``rollout.verifiers.pyt
 verifiers, ``make verifiers`` makes ``.venv-vf``), so verifiers' pins never meet arborl's.
 
     python verifiers_bridge.py list --env ID_OR_FILE      # one JSON line per task: idx, key, prompt
-    python verifiers_bridge.py run --env ID_OR_FILE       # one episode; its rewards as a JSON line
+    python verifiers_bridge.py serve --env ID_OR_FILE     # episodes on request, many at once
+    python verifiers_bridge.py run --env ID_OR_FILE       # one episode, a black-box agent program
 
-``run`` is a black-box agent program (arborl's ``command`` agent): ``ARBORL_TASK`` names the task
-(``metadata.idx``), ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL`` the episode's gateway
-session, ``ARBORL_SAMPLING`` its sampling. The environment runs as verifiers runs it -- its taskset, its
+``serve`` loads the environment once and reads one JSON request per stdin line: ``{"id", "idx",
+"base_url", "api_key", "model", "sampling"}`` (the task and the episode's gateway session); it answers
+``{"id", "result"}`` (or ``{"id", "error"}``) on stdout, in the order episodes finish, and exits when
+stdin closes. ``run`` takes the same from the ``command`` agent's environment (``ARBORL_TASK``,
+``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``OPENAI_MODEL``, ``ARBORL_SAMPLING``) and prints the result.
+The environment runs as verifiers runs it -- its taskset, its
 ``Env.run`` (the multi-turn environment responses), its rewards and ``finalize`` -- with every model
 turn sent by an in-process harness through verifiers' own interception server to the gateway, where
 arborl records it token by token. verifiers' hosted defaults are replaced: a local subprocess runtime
@@ -122,22 +126,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_one(args: argparse.Namespace) -> dict[str, Any]:
+async def run_episode(env: Any, tasks: dict[Any, Any], req: dict[str, Any], key_var: str) -> dict[str, Any]:
+    """One episode of task ``req["idx"]`` against the gateway session ``req`` names."""
     import verifiers.v1 as vf
 
-    want = json.loads(os.environ["ARBORL_TASK"])["metadata"]["idx"]
-    env = load_env(args.env, args.max_turns)
-    task = next((t for t in env.taskset if t.data.idx == want), None)
+    task = tasks.get(req["idx"])
     if task is None:
-        raise SystemExit(f"{args.env} has no task with idx {want}")
-    sampling = json.loads(os.environ.get("ARBORL_SAMPLING") or "{}")
-    os.environ["ARBORL_VF_KEY"] = os.environ["OPENAI_API_KEY"]
+        raise KeyError(f"the environment has no task with idx {req['idx']!r}")
+    os.environ[key_var] = req["api_key"]
     ctx = vf.ModelContext(
-        model=os.environ.get("OPENAI_MODEL", "policy"),
-        client=vf.EvalClientConfig(base_url=os.environ["OPENAI_BASE_URL"], api_key_var="ARBORL_VF_KEY"),
-        sampling=vf.SamplingConfig(**{k: v for k, v in sampling.items() if v is not None}))
-    async with env.serving():
+        model=req.get("model") or "policy",
+        client=vf.EvalClientConfig(base_url=req["base_url"], api_key_var=key_var),
+        sampling=vf.SamplingConfig(**{k: v for k, v in (req.get("sampling") or {}).items() if v is not None}))
+    try:
         episode = await env.run_episode(task, ctx)
+    finally:
+        os.environ.pop(key_var, None)
     traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)] or list(episode.traces)
     rewards: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -152,14 +156,63 @@ async def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "turns": sum(tr.num_turns for tr in traces), "errors": errors}
 
 
+async def cmd_serve(args: argparse.Namespace) -> int:
+    """Episodes on request (module docstring); the protocol owns the real stdout, so anything the
+    environment prints goes to stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    env = load_env(args.env, args.max_turns)
+    tasks = {t.data.idx: t for t in env.taskset}
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    async def one(req: dict[str, Any]) -> None:
+        try:
+            reply = {"id": req["id"], "result": await run_episode(env, tasks, req, f"ARBORL_VF_KEY_{req['id']}")}
+        except Exception as e:  # noqa: BLE001 - one episode's failure is its own answer
+            reply = {"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply, default=str) + "\n")
+
+    import threading
+
+    threading.Thread(target=read, daemon=True).start()
+    running: set[asyncio.Task] = set()
+    async with env.serving():
+        while (line := await lines.get()) is not None:
+            if line.strip():
+                t = asyncio.create_task(one(json.loads(line)))
+                running.add(t)
+                t.add_done_callback(running.discard)
+        await asyncio.gather(*running, return_exceptions=True)
+    return 0
+
+
+async def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    env = load_env(args.env, args.max_turns)
+    tasks = {t.data.idx: t for t in env.taskset}
+    req = {"idx": json.loads(os.environ["ARBORL_TASK"])["metadata"]["idx"], "base_url": os.environ["OPENAI_BASE_URL"],
+           "api_key": os.environ["OPENAI_API_KEY"], "model": os.environ.get("OPENAI_MODEL"),
+           "sampling": json.loads(os.environ.get("ARBORL_SAMPLING") or "{}")}
+    async with env.serving():
+        return await run_episode(env, tasks, req, "ARBORL_VF_KEY")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["list", "run"])
+    ap.add_argument("mode", choices=["list", "serve", "run"])
     ap.add_argument("--env", required=True)
     ap.add_argument("--max-turns", type=int, default=8)
     args = ap.parse_args()
     if args.mode == "list":
         return cmd_list(args)
+    if args.mode == "serve":
+        return asyncio.run(cmd_serve(args))
     out = asyncio.run(run_one(args))
     print(json.dumps(out, default=str))
     return 0 if out["ok"] else 1

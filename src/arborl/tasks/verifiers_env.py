@@ -4,10 +4,12 @@ knobs ``rollout.verifiers.*``).
 The environment runs in the interpreter it is installed in (``rollout.verifiers.python``; ``make verifiers``
 makes ``.venv-vf``) through ``verifiers_bridge.py``, which imports nothing of arborl: its dependency pins
 never meet arborl's. The suite lists the taskset once (``bridge list``) and splits it by a hash of each
-task's key (``rollout.verifiers.eval_fraction``, the same split every run). An episode is the bridge's
-``run`` as a black-box program (the ``command`` agent's path): verifiers runs the environment as it
-always does -- its ``Env.run`` with the multi-turn environment responses, its rewards, ``finalize`` --
-and every model turn reaches this run's gateway over HTTP, so each token is recorded and trained. The
+task's key (``rollout.verifiers.eval_fraction``, the same split every run). Episodes go to one long-lived
+``bridge serve`` process (the environment loads once; importing verifiers costs seconds), many at once:
+each request names the task and the episode's gateway session, served over HTTP on the job's loop as for
+any black-box agent. verifiers runs the environment as it always does -- its ``Env.run`` with the
+multi-turn environment responses, its rewards, ``finalize`` -- and every model turn reaches the gateway,
+so each token is recorded and trained. The job closes the process with the suite (``close``). The
 score: ``outcome`` is verifiers' episode reward (the weighted sum of its rewards; success is outcome
 >= 1), and each reward's score is a component under its own name (``train.advantage.shaping.
 component_weights`` can weigh them).
@@ -15,18 +17,21 @@ component_weights`` can weigh them).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from arborl.agents import AgentLoop, AgentOutcome
-from arborl.agents.command import CommandAgent
+from arborl.agents import AgentLoop, AgentOutcome, SessionClient
+from arborl.agents.served import serve_http
 from arborl.config import ConfigError
 from arborl.tasks.dataset import copy_task, draw_rows
-from arborl.types import Call, Task
+from arborl.types import Call, EpisodeStatus, Task
 
 if TYPE_CHECKING:
     from arborl.config import RolloutConfig
@@ -49,6 +54,7 @@ class VerifiersSuite:
         self.cfg = cfg
         self.rollout = rollout
         self.python = cfg.python or sys.executable
+        self.bridge: BridgeProcess | None = None
         rows = self._list()
         self.rows: dict[str, list[Task]] = {"train": [], "eval": []}
         for row in rows:
@@ -86,14 +92,120 @@ class VerifiersSuite:
         return draw_rows(rows, n, seed)
 
     def agent(self, sampling: dict[str, Any]) -> AgentLoop:
-        argv = [self.python, str(BRIDGE), "run", "--env", self.cfg.env, "--max-turns", str(self.rollout.max_turns)]
-        return CommandAgent(argv, sampling=sampling, timeout_s=self.rollout.agent_timeout_s)
+        if self.bridge is None:
+            self.bridge = BridgeProcess([self.python, str(BRIDGE), "serve", "--env", self.cfg.env, "--max-turns",
+                                         str(self.rollout.max_turns)])
+        return VerifiersEpisode(self.bridge, sampling)
+
+    def close(self) -> None:
+        """Stop the bridge process (it is started again if another episode comes)."""
+        if self.bridge is not None:
+            self.bridge.close()
 
     def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
-        try:
-            result = json.loads((outcome.answer or "").strip().splitlines()[-1]) if outcome else None
-        except (ValueError, IndexError):
-            result = None
+        result = outcome.info.get("verifiers") if outcome is not None else None
         if not isinstance(result, dict) or "reward" not in result:
-            raise VerifiersEnvError(f"episode of {task.task_id}: the bridge printed no rewards")
+            raise VerifiersEnvError(f"episode of {task.task_id}: the bridge gave no rewards")
         return {"outcome": float(result["reward"]), **{k: float(v) for k, v in result["rewards"].items()}}
+
+
+class BridgeProcess:
+    """The ``bridge serve`` process: requests written as JSON lines, answers read by a thread and handed to
+    the waiting episode's event loop; started on the first request (again after ``close``)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.next_id = 0
+        self.stderr = None
+
+    def _start(self) -> subprocess.Popen:
+        self.stderr = tempfile.TemporaryFile()
+        proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                text=True, bufsize=1)
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        return proc
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                waiting = self.pending.pop(msg.get("id"), None)
+            if waiting is not None:
+                loop, fut = waiting
+                loop.call_soon_threadsafe(_settle, fut, msg)
+        proc.wait()
+        with self.lock:
+            left, self.pending = self.pending, {}
+        tail = self._stderr_tail()
+        for loop, fut in left.values():
+            loop.call_soon_threadsafe(_settle, fut, {"error": f"the verifiers bridge exited ({proc.returncode}): {tail}"})
+
+    def _stderr_tail(self) -> str:
+        if self.stderr is None:
+            return ""
+        try:
+            self.stderr.seek(0, 2)
+            size = self.stderr.tell()
+            self.stderr.seek(max(0, size - 1500))
+            return self.stderr.read().decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    async def episode(self, request: dict[str, Any]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+            self.next_id += 1
+            rid = self.next_id
+            self.pending[rid] = (loop, fut)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"id": rid, **request}) + "\n")
+            self.proc.stdin.flush()
+        msg = await fut
+        if "error" in msg:
+            raise VerifiersEnvError(msg["error"])
+        return msg["result"]
+
+    def close(self) -> None:
+        with self.lock:
+            proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+
+def _settle(fut: asyncio.Future, msg: dict[str, Any]) -> None:
+    if not fut.done():
+        fut.set_result(msg)
+
+
+class VerifiersEpisode:
+    """An AgentLoop: the bridge runs the episode against this session, served over HTTP meanwhile."""
+
+    def __init__(self, bridge: BridgeProcess, sampling: dict[str, Any]) -> None:
+        self.bridge = bridge
+        self.sampling = dict(sampling)
+
+    async def __call__(self, task: Task, client: SessionClient) -> AgentOutcome:
+        async with serve_http(client.gateway) as base_url:
+            result = await self.bridge.episode({"idx": task.metadata["idx"], "base_url": base_url,
+                                                "api_key": client.api_key, "model": client.model,
+                                                "sampling": self.sampling})
+        status = EpisodeStatus.FINISHED if result.get("ok") else EpisodeStatus.FAILED
+        return AgentOutcome(answer=json.dumps({k: result.get(k) for k in ("reward", "rewards")}), status=status,
+                            info={"verifiers": result})
