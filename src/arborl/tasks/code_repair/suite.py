@@ -18,7 +18,6 @@ import asyncio
 import difflib
 import hashlib
 import os
-import random
 import re
 import stat
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from arborl.envs.base import CommandResult, EnvError, Runtime, Workspace
 from arborl.tasks.code_repair.catalog import materialise, suite_root
 from arborl.tasks.code_repair.scoring import Verdict, run_hidden_tests
 from arborl.tasks.code_repair.store import RepairTask, read_files
+from arborl.tasks.dataset import draw_rows
 from arborl.tasks.code_repair.validate import ValidationCache
 from arborl.types import Call, Task
 
@@ -207,17 +207,7 @@ class CodeRepairSuite:
         pool = self.pool(split)
         if split != "train":
             return [self._task(t) for t in pool[:n]]
-        rng = random.Random(seed)
-        out: list[Task] = []
-        seen: dict[str, int] = {}
-        while len(out) < n:
-            for t in rng.sample(pool, min(n - len(out), len(pool))):
-                k = seen[t.id] = seen.get(t.id, -1) + 1
-                task = self._task(t)
-                if k:
-                    task.task_id = f"{t.id}~{k}"
-                out.append(task)
-        return out
+        return draw_rows([self._task(t) for t in pool], n, seed)
 
     def _task(self, t: RepairTask) -> Task:
         return Task(task_id=t.id, prompt=t.statement, split=t.split,

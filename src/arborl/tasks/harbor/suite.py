@@ -29,6 +29,7 @@ from arborl.agents import AgentLoop, AgentOutcome, SessionClient
 from arborl.agents.code_agent import code_agent
 from arborl.agents.sandboxed import SandboxedCommand
 from arborl.envs.base import CommandResult, EnvError, Runtime, Workspace
+from arborl.tasks.dataset import draw_rows
 from arborl.tasks.harbor.task_folder import HarborTask, build_template, read_tasks
 from arborl.types import Call, Task
 
@@ -171,17 +172,7 @@ class HarborSuite:
         pool = self.pool(split)
         if split == "eval":
             return [self._task(t) for t in pool[:n]]
-        rng = random.Random(seed)
-        out: list[Task] = []
-        seen: dict[str, int] = {}
-        while len(out) < n:
-            for t in rng.sample(pool, min(n - len(out), len(pool))):
-                k = seen[t.name] = seen.get(t.name, -1) + 1
-                task = self._task(t)
-                if k:
-                    task.task_id = f"{task.task_id}~{k}"
-                out.append(task)
-        return out
+        return draw_rows([self._task(t) for t in pool], n, seed)
 
     def _task(self, t: HarborTask) -> Task:
         return Task(task_id=f"harbor-{t.name}", prompt=t.instruction, split=t.split(self.cfg.eval_fraction),
