@@ -77,6 +77,8 @@ def test_a_template_that_re_renders_the_tool_call_is_found_at_the_tool_call(h):
         assert (report.audited, report.drift_calls) == (2, 1), report.summary()
         (ex,) = report.examples
         assert ex.call_id == ep.calls[1].call_id and ex.stitched is stitching and ex.unfaithful is not stitching
+        assert report.unfaithful_reasons == ({} if stitching else {"stitching_off": 1})
+        assert report.retokenized_calls == (1 if stitching else 0)  # stitched: its prompt is not the re-render
         c1 = ep.calls[0]
         # the first difference is inside the first call's tool call: the engine has the policy's `": `
         assert len(c1.prompt_token_ids) <= ex.position < len(c1.prompt_token_ids) + len(c1.completion_token_ids)

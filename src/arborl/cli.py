@@ -226,9 +226,11 @@ def audit(
     except ArborlError as e:
         raise _fail(console, e) from None
     out = {**report.summary(), "examples": decoded_examples(report, tokenizer)}
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(report.unfaithful_reasons.items()))
     console.print(f"{report.audited} of {report.calls} calls re-rendered: {report.drift_calls} drifted "
-                  f"({report.drift_rate:.1%}), {report.unfaithful_calls} unfaithful; {report.not_recorded} without "
-                  f"their request, {report.token_calls} token-in", markup=False)
+                  f"({report.drift_rate:.1%}; {report.retokenized_calls} re-render differently), "
+                  f"{report.unfaithful_calls} unfaithful{f' ({reasons})' if reasons else ''}; {report.not_recorded} "
+                  f"without their request, {report.token_calls} token-in", markup=False)
     for e in out["examples"]:
         console.print(f"  {e['call_id']} at token {e['position']}: engine {e['engine']!r} | re-render {e['rerender']!r}"
                       + (" (stitched: trained on the engine's tokens)" if e["stitched"] else ""), markup=False)

@@ -11,8 +11,12 @@ Two counts per run:
   own earlier tokens anyway, so such a call is drifted but still faithful; re-tokenizing frameworks
   train on the re-rendered ids instead, off the policy.
 * **unfaithful** (a subset): the call's prompt does not extend the tokens an earlier call of the
-  episode produced (stitching off or impossible): the policy is trained on a history it did not
-  generate. The gateway notes these as they happen (``call.meta["drift"]``).
+  episode produced (stitching off or impossible, or the agent rewrote its history). The gateway
+  notes these as they happen (``call.meta["drift"]``) with a reason, which the report counts:
+  ``stitching_off``, ``prompt_tokens_diverge`` (re-tokenized: the policy is trained on a history it did not
+  generate), or the agent's own edits (``assistant_message_missing``: mini-swe-agent drops a reply
+  that broke its format; ``message_edited``, ``history_truncated``, ``tools_changed``).
+  ``retokenized_calls`` counts the calls whose re-render differs from their own prompt ids.
 
 A chat call is audited when its request was recorded (``gateway.record_messages``); token-in and
 completions calls have no conversation to re-render and are counted as such.
@@ -49,7 +53,9 @@ class AuditReport:
     not_recorded: int = 0  # chat calls recorded without their messages (gateway.record_messages off)
     token_calls: int = 0  # token-in / completions calls: nothing to re-render
     drift_calls: int = 0
+    retokenized_calls: int = 0  # the re-render differs from the call's own prompt ids
     unfaithful_calls: int = 0
+    unfaithful_reasons: dict[str, int] = field(default_factory=dict)  # the gateway's reason for each
     examples: list[CallAudit] = field(default_factory=list)  # the first drifted / unfaithful calls
 
     @property
@@ -63,7 +69,8 @@ class AuditReport:
     def summary(self) -> dict[str, Any]:
         return {"calls": self.calls, "audited": self.audited, "not_recorded": self.not_recorded,
                 "token_calls": self.token_calls, "drift_calls": self.drift_calls, "drift_rate": self.drift_rate,
-                "unfaithful_calls": self.unfaithful_calls, "unfaithful_rate": self.unfaithful_rate,
+                "retokenized_calls": self.retokenized_calls, "unfaithful_calls": self.unfaithful_calls,
+                "unfaithful_rate": self.unfaithful_rate, "unfaithful_reasons": dict(self.unfaithful_reasons),
                 "examples": [asdict(e) for e in self.examples]}
 
 
@@ -111,6 +118,9 @@ def audit_episodes(renderer: ChatRenderer, episodes: Iterable[Episode], *, examp
             report.calls += 1
             unfaithful = bool(call.meta.get("drift"))
             report.unfaithful_calls += unfaithful
+            if unfaithful:
+                why = str(call.meta["drift"].get("reason", "prompt_tokens_diverge"))
+                report.unfaithful_reasons[why] = report.unfaithful_reasons.get(why, 0) + 1
             if call.meta.get("endpoint") != "chat" or call.meta.get("input") == "tokens":
                 report.token_calls += 1
                 continue
@@ -118,6 +128,7 @@ def audit_episodes(renderer: ChatRenderer, episodes: Iterable[Episode], *, examp
             if a is None:
                 report.not_recorded += 1
                 continue
+            report.retokenized_calls += a.drift
             if unfaithful and not a.drift:
                 a = _against_earlier(call, by_id, a)
             report.audited += 1
