@@ -7,6 +7,7 @@ data pool implies; the data pool is read without being written, and live; `/dash
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import threading
@@ -15,14 +16,16 @@ import time
 import httpx
 import pytest
 import uvicorn
-from helpers.dashboard_runs import AGENTIC_EVALS, AGENTIC_STEPS, agentic_run, trained_run, warm_run
+from helpers.dashboard_runs import (AGENTIC_EVALS, AGENTIC_STEPS, agentic_run, drifting_run, trained_run, untokenized_run,
+                                    warm_run)
 from helpers.tiny_run import ENV, TINY, arborl_cmd, set_args
 
-from arborl.dashboard import create_app
+from arborl import audit
+from arborl.dashboard import create_app, faithfulness
 from arborl.dashboard.runs import WELL_KNOWN, RunNotFoundError
 from arborl.datapool import DataPool
 from arborl.gateway.server import bind
-from arborl.types import Call, Episode, EpisodeStatus
+from arborl.types import ArborlError, Call, Episode, EpisodeStatus
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +240,89 @@ def test_data_pool_is_read_only_and_live(runs, server):
         out.write(json.dumps({**AGENTIC_STEPS[-1], "step": 4, "reward": 1.0}) + "\n")
     rows = get(server, "/api/curves", run="agentic").json()["runs"]["agentic"]["step"]
     assert [r["reward"] for r in rows] == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.fixture(scope="module")
+def audited(runs, tmp_path_factory):
+    """A server over the trained and agentic runs, a real run whose later calls drift, and a run without a
+    tokenizer; the runs by key."""
+    d = tmp_path_factory.mktemp("audited")
+    paths = {"trained": runs[1], "agentic": runs[2], "drifting": drifting_run(d), "untokenized": untokenized_run(d)}
+    with Server(create_app(list(paths.values()))) as srv:
+        yield srv, paths
+
+
+def _cli_audit(path, examples=5):
+    """What `arborl audit` prints last for the run (arborl/audit.py, as cli.py's audit builds it)."""
+    report, tok = audit.audit_run(path, examples=examples)
+    return json.loads(json.dumps({**report.summary(), "examples": audit.decoded_examples(report, tok)}))
+
+
+def test_audit_is_arborl_audits_answer_for_a_real_run(audited):
+    srv, paths = audited
+    for key in ("trained", "drifting"):
+        f = paths[key] / "datapool.sqlite"
+        before = f.read_bytes()
+        got = get(srv, "/api/audit", run=key).json()
+        assert got == _cli_audit(paths[key])
+        assert f.read_bytes() == before  # the audit wrote nothing
+        assert got["calls"] > 0 and got["audited"] == got["calls"]  # every chat request recorded
+        assert got["not_recorded"] == got["token_calls"] == 0
+    with DataPool(paths["trained"] / "datapool.sqlite") as pool:
+        assert get(srv, "/api/audit", run="trained").json()["calls"] == sum(
+            len(e.calls) for e in pool.episodes())
+    assert get(srv, "/api/audit", run="trained").json()["drift_calls"] == 0  # one turn: the prompt is the render
+    # three turns with stitching off: the later calls' prompts are the replies re-rendered as text
+    d = get(srv, "/api/audit", run="drifting").json()
+    assert d["calls"] == 12 and d["drift_calls"] > 0 and d["unfaithful_calls"] > 0
+    assert d["drift_rate"] == d["drift_calls"] / d["audited"]
+    assert len(d["examples"]) == min(5, d["drift_calls"])
+    for e in d["examples"]:
+        assert e["engine"] != e["rerender"] and e["position"] > 0 and not e["stitched"]
+    assert len(get(srv, "/api/audit", run="drifting", examples=1).json()["examples"]) == 1
+
+
+def test_audit_of_a_run_without_a_data_pool_or_a_chat_template_is_a_4xx_with_the_reason(audited, tmp_path):
+    srv, paths = audited
+    r = get(srv, "/api/audit", run="untokenized")
+    assert r.status_code == 404 and "no tokenizer" in r.json()["detail"]
+    (paths["untokenized"] / "datapool.sqlite").rename(tmp_path / "moved.sqlite")
+    try:
+        r = get(srv, "/api/audit", run="untokenized")
+        assert r.status_code == 404 and "has no datapool.sqlite" in r.json()["detail"]
+    finally:
+        (tmp_path / "moved.sqlite").rename(paths["untokenized"] / "datapool.sqlite")
+    # the agentic run's checkpoint holds a bare tokenizer.json: no chat template to re-render with
+    r = get(srv, "/api/audit", run="agentic")
+    assert r.status_code == 404 and "no chat template" in r.json()["detail"]
+    with pytest.raises(ArborlError, match="no chat template"):
+        audit.audit_run(paths["agentic"])
+    r = get(srv, "/api/audit", run="nope")
+    assert r.status_code == 404 and "unknown run 'nope'" in r.json()["detail"]
+    assert get(srv, "/api/audit", run="drifting", examples=-1).status_code == 422
+
+
+def test_audit_is_kept_until_the_data_pool_changes(audited, tmp_path, monkeypatch):
+    """Computed once per state of the data pool: again only after a job wrote to it."""
+    run = tmp_path / "copy"
+    shutil.copytree(audited[1]["drifting"], run)
+    done = []
+
+    def counted(*a, **kw):
+        done.append(a)
+        return audit.audit_run(*a, **kw)
+
+    monkeypatch.setattr(faithfulness, "audit_run", counted)
+    with Server(create_app([run])) as srv:
+        first = get(srv, "/api/audit", run="copy").json()
+        assert get(srv, "/api/audit", run="copy").json() == first and len(done) == 1
+        with DataPool(run / "datapool.sqlite") as pool:  # a running job records a token-in call
+            pool.put_episode(Episode("t9", "step1:t9", status=EpisodeStatus.FINISHED, episode_id="ep-new"))
+            pool.add_call(Call("ep-new", [1, 2], [3], [-1.0], [-1.0], [1], "stop", call_id="c-new"))
+            later = get(srv, "/api/audit", run="copy").json()
+        assert len(done) == 2
+        assert (later["calls"], later["token_calls"]) == (first["calls"] + 1, 1)
+        assert later == _cli_audit(run)
 
 
 def test_unknown_paths_are_typed_errors(tmp_path):

@@ -2,8 +2,9 @@
 with no console error; the curves hold the run's values (two runs overlaid), a line per held-out split
 with the SFT stage a point apart, and titles clear of the plot toolbar; the timeline draws one
 bar per recorded piece; the trajectory view shows the recorded token ids decoded, coloured by the loss
-mask the data pool implies (built here from the calls by hand), and the other colourings; a screenshot
-of each page goes to test-artifacts/dashboard/."""
+mask the data pool implies (built here from the calls by hand), and the other colourings; the token
+audit page shows `arborl audit`'s counts and drifted calls of a real drifting run; a screenshot of each
+page goes to test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, trained_run, warm_run
+from helpers.dashboard_runs import AGENTIC_STEPS, agentic_run, drifting_run, trained_run, warm_run
 from test_dashboard_api import Server
 
+from arborl.audit import audit_run, decoded_examples
 from arborl.dashboard import create_app
 from arborl.datapool import DataPool
 
@@ -37,10 +39,11 @@ def site(tmp_path_factory):
     trained = trained_run(d)
     agentic, written = agentic_run(d)
     warm_run(d)
+    drifting = drifting_run(tmp_path_factory.mktemp("drifting"))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with Server(create_app([d])) as srv, sync_playwright() as p:
+    with Server(create_app([d, drifting])) as srv, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield srv, browser, trained, agentic, written
+        yield srv, browser, trained, agentic, written, drifting
         browser.close()
 
 
@@ -63,7 +66,7 @@ def test_runs_page_lists_both_runs(site):
     page = open_page(site, "/", "runs")
     page.wait_for_selector("#runs tr[data-run]")
     shown = page.eval_on_selector_all("#runs tr[data-run]", "rows => rows.map(r => r.dataset.run)")
-    assert shown == ["agentic", "trained", "warm"]
+    assert shown == ["agentic", "trained", "warm", "drifting"]
     page.close()
 
 
@@ -191,4 +194,33 @@ def test_config_page_marks_changed_knobs(site):
     assert "model.source" in changed and "train.lr" in changed and "engine.prefix_cache" not in changed
     page.check("#only-changed")
     assert page.locator("#knobs tr[data-key]").count() == len(changed)
+    page.close()
+
+
+def test_audit_page_shows_the_counts_and_the_drifted_calls_tokens(site):
+    """The audit page of a real run whose later calls drift (stitching off): arborl audit's counts, and each
+    drifted call's tokens from the first difference on, JSON-quoted so whitespace shows."""
+    page = open_page(site, "/audit?run=drifting", "audit")
+    report, tok = audit_run(site[5])
+    counts = dict(page.eval_on_selector_all("#audit-counts tr[data-key]",
+                                            "rows => rows.map(r => [r.dataset.key, r.children[1].textContent])"))
+    assert counts == {"calls": str(report.calls), "audited": str(report.audited), "drift_calls": str(report.drift_calls),
+                      "drift_rate": f"{100 * report.drift_rate:.1f} %", "unfaithful_calls": str(report.unfaithful_calls),
+                      "unfaithful_rate": f"{100 * report.unfaithful_rate:.1f} %",
+                      "not_recorded": str(report.not_recorded), "token_calls": str(report.token_calls)}
+    assert report.calls == report.audited > 0 and report.drift_calls > 0
+    rows = page.eval_on_selector_all("#audit-examples tr[data-call]",
+                                     "rows => rows.map(r => Array.from(r.children).map(c => c.textContent))")
+    want = decoded_examples(report, tok)
+    assert [r[0] for r in rows] == [e["call_id"] for e in want] != []
+    assert [(r[2], r[5], r[6]) for r in rows] == [(str(e["position"]), json.dumps(e["engine"], ensure_ascii=False),
+                                                   json.dumps(e["rerender"], ensure_ascii=False))
+                                                  for e in want]
+    page.close()
+    # the tiny training run: one turn per episode, every call re-rendered to the engine's own tokens
+    page = open_page(site, "/audit?run=trained", "audit-clean")
+    report, _ = audit_run(site[2])
+    assert report.drift_calls == 0 and report.calls > 0
+    assert page.inner_text("#audit-counts tr[data-key=audited] td.num") == str(report.calls)
+    assert page.is_visible("#audit-none") and page.locator("#audit-examples").count() == 0
     page.close()

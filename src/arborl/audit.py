@@ -17,10 +17,12 @@ from arborl.show import ShowError, _tokenizer
 def audit_run(run_dir: str | Path, *, examples: int = 5) -> tuple[AuditReport, Any]:
     """The run's audit report and the tokenizer it used (to decode the examples)."""
     run_dir = Path(run_dir)
-    db = run_dir / "datapool.sqlite"
-    if not db.is_file():
-        raise ShowError(f"{run_dir} has no datapool.sqlite: not a run directory, or the run recorded nothing")
+    if not run_dir.is_dir():
+        raise ShowError(f"{run_dir} is not a directory: name a run directory, runs/NAME")
     cfg = run_config(run_dir)
+    db = run_dir / cfg.datapool.filename
+    if not db.is_file():
+        raise ShowError(f"{run_dir} has no {cfg.datapool.filename}: the run recorded nothing yet")
     tokenizer = _tokenizer(run_dir)
     if tokenizer is None:
         raise ShowError(f"{run_dir}: the run's model has no tokenizer, so its calls were token-in: nothing to re-render")

@@ -19,6 +19,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from arborl.dashboard import pool
+from arborl.dashboard.faithfulness import AuditCache
 from arborl.dashboard.knobs import knob_rows, redact
 from arborl.dashboard.runs import WELL_KNOWN, Run, eval_series, find_runs, metric_columns, run_keys, time_split
 from arborl.dashboard.timeline import step_figure, timeline_steps
@@ -26,7 +27,7 @@ from arborl.dashboard.trajectory import episode_view, run_tokenizer
 from arborl.types import ArborlError
 
 PAGES = {"": "runs", "curves": "curves", "timeline": "rollout timeline", "trajectories": "trajectories",
-         "config": "config and knobs"}
+         "audit": "token audit", "config": "config and knobs"}
 STATIC = resources.files("arborl.dashboard") / "static"
 
 
@@ -69,6 +70,8 @@ def create_app(paths: list[str | Path]) -> FastAPI:
         if key not in runs:
             raise HTTPException(404, f"unknown run {key!r}; runs: {', '.join(runs) or 'none'} (GET api/runs)")
         return Run(runs[key])
+
+    audits = AuditCache()
 
     @functools.lru_cache(maxsize=16)
     def tokenizer(key: str):
@@ -160,6 +163,16 @@ def create_app(paths: list[str | Path]) -> FastAPI:
             raise HTTPException(404, f"run {run!r} has no episode {id!r}")
         return _json(episode_view(ep, tokenizer(run), pool.trainer_logprobs(r.datapool_file(), id),
                                   tempered=r.tempered()))
+
+    @app.get("/api/audit")
+    def _audit(run: str, examples: int = Query(default=5, ge=0, le=50)) -> Response:
+        """`arborl audit`'s answer for the run, computed on request (the tokenizer, the whole data pool) and
+        kept until the data pool changes."""
+        path = run_of(run).path
+        try:
+            return _json(audits.audit(path, examples))
+        except ArborlError as e:  # no data pool, no tokenizer (arborl.show.ShowError), an unreadable config
+            raise HTTPException(404, f"run {run!r}: {e}") from None
 
     @app.get("/api/config")
     def _config(run: str) -> Response:

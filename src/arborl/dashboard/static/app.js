@@ -66,7 +66,7 @@ async function pageRuns() {
     const q = "run=" + encodeURIComponent(r.key);
     tr.append(el("td", {}, el("a", {href: "curves?" + q, text: "curves"}), " ",
       el("a", {href: "timeline?" + q, text: "timeline"}), " ", el("a", {href: "trajectories?" + q, text: "trajectories"}),
-      " ", el("a", {href: "config?" + q, text: "config"})));
+      " ", el("a", {href: "audit?" + q, text: "audit"}), " ", el("a", {href: "config?" + q, text: "config"})));
     table.append(tr);
   }
   const compare = el("button", {text: "curves of the checked runs", onclick: () => {
@@ -324,6 +324,58 @@ async function pageTrajectories() {
   await loadRun(sel.value);
 }
 
+// ---------------------------------------------------------------- token audit
+// `arborl audit` over the run's data pool: computed when asked (the tokenizer, every recorded call), so
+// on this page only and not polled
+const AUDIT_COUNTS = [
+  ["calls", "calls", "every recorded call"],
+  ["audited", "re-rendered", "chat calls whose request was recorded, rendered again with the chat template"],
+  ["drift_calls", "drifted", "the re-render's tokens differ from the ones the engine consumed"],
+  ["drift_rate", "drift rate", "drifted / re-rendered"],
+  ["unfaithful_calls", "unfaithful", "the prompt does not extend the tokens the episode's earlier call produced: trained on a history the policy did not generate"],
+  ["unfaithful_rate", "unfaithful rate", "unfaithful / calls"],
+  ["not_recorded", "not recorded", "chat calls recorded without their request (gateway.record_messages off)"],
+  ["token_calls", "token-in", "token-in and completions calls: no conversation to re-render"],
+];
+
+async function pageAudit() {
+  const controls = el("div", {class: "controls"});
+  const body = el("div", {id: "audit"});
+  main.append(controls, body);
+  const {sel} = await runSelect(run => { setParams({run}); load(run); });
+  controls.append("run ", sel, el("span", {class: "muted",
+    text: "every recorded chat call rendered again with the run's chat template and compared with the token ids the engine consumed (arborl audit)"}));
+
+  async function load(run) {
+    delete document.body.dataset.ready;
+    body.replaceChildren(el("p", {class: "muted", text: "auditing: loading the tokenizer and reading the data pool..."}));
+    let d;
+    try { d = await api(`api/audit?run=${encodeURIComponent(run)}`); }
+    catch (e) { body.replaceChildren(el("p", {class: "error", text: e.message})); document.body.dataset.ready = "1"; return; }
+    const counts = el("table", {id: "audit-counts"});
+    for (const [k, label, meaning] of AUDIT_COUNTS) {
+      const v = k.endsWith("_rate") ? (100 * d[k]).toFixed(1) + " %" : fmt(d[k]);
+      counts.append(el("tr", {"data-key": k}, el("td", {text: label}), el("td", {class: "num", text: v}),
+        el("td", {class: "muted", text: meaning})));
+    }
+    const ex = el("table", {id: "audit-examples"});
+    ex.append(el("tr", {}, ...["call", "episode", "at token", "stitched", "unfaithful", "engine's tokens", "re-render's tokens"]
+      .map(c => el("th", {text: c}))));
+    for (const e of d.examples) {
+      ex.append(el("tr", {"data-call": e.call_id}, el("td", {text: e.call_id}), el("td", {text: e.episode_id}),
+        el("td", {class: "num", text: fmt(e.position)}),
+        el("td", {text: e.stitched ? "yes: trained on the engine's tokens" : "no"}), el("td", {text: e.unfaithful ? "yes" : "no"}),
+        el("td", {class: "mono", text: JSON.stringify(e.engine)}), el("td", {class: "mono", text: JSON.stringify(e.rerender)})));
+    }
+    body.replaceChildren(el("h3", {text: "counts"}), counts,
+      el("h3", {text: `first drifted calls (${d.examples.length} of ${d.drift_calls}; the tokens from the first difference on, JSON-quoted)`}),
+      d.examples.length ? ex : el("p", {id: "audit-none", text: "none: every re-rendered call is token for token what the engine consumed"}));
+    status("audited " + new Date().toLocaleTimeString());
+    document.body.dataset.ready = "1";
+  }
+  await load(sel.value);
+}
+
 // ---------------------------------------------------------------- config
 async function pageConfig() {
   const controls = el("div", {class: "controls"});
@@ -359,7 +411,8 @@ async function pageConfig() {
   await load(sel.value);
 }
 
-const PAGES = {runs: pageRuns, curves: pageCurves, timeline: pageTimeline, trajectories: pageTrajectories, config: pageConfig};
+const PAGES = {runs: pageRuns, curves: pageCurves, timeline: pageTimeline, trajectories: pageTrajectories, audit: pageAudit,
+  config: pageConfig};
 if (typeof Plotly === "undefined") {
   showError("the charts' library did not load: install it with pip install 'arborl[dashboard]'");
   document.body.dataset.ready = "error";
