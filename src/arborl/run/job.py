@@ -200,7 +200,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
             finally:
                 launched.close()
                 close_trainer(trainer)
-                suite.close()
+                suite.shutdown()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
     if stopped:
         summary["stopped"] = stopped
@@ -376,7 +376,7 @@ def evaluate(cfg: Config, checkpoint: str | Path | None, *, console: Console | N
         ev = asyncio.run(ctl.evaluate(cfg.rollout.eval_tasks))
     finally:
         launched.close()
-        suite.close()
+        suite.shutdown()
     ev = {"checkpoint": str(checkpoint) if checkpoint else None, **ev}
     console.print(summary_table(ev, title="arborl eval"))
     return ev

@@ -53,12 +53,12 @@ class ConfiguredSuite:
     def score(self, task: Task, outcome: AgentOutcome | None, calls: list[Call]) -> dict[str, float]:
         return self.suite.score(task, outcome, calls)
 
-    def close(self) -> None:
-        """Release what the suite started (a subprocess, a server); suites without anything to release
-        have no ``close``."""
-        close = getattr(self.suite, "close", None)
-        if callable(close):
-            close()
+    def shutdown(self) -> None:
+        """Stop what the suite started for the run (a subprocess, a server): its ``shutdown()``, where it
+        has one (suites with nothing to stop have none)."""
+        shutdown = getattr(self.suite, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     def __getattr__(self, attr: str) -> Any:
         if attr in ("suite", "rollout"):  # not set yet (copy, pickle): never recurse

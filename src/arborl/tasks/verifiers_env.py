@@ -9,7 +9,7 @@ task's key (``rollout.verifiers.eval_fraction``, the same split every run). Epis
 each request names the task and the episode's gateway session, served over HTTP on the job's loop as for
 any black-box agent. verifiers runs the environment as it always does -- its ``Env.run`` with the
 multi-turn environment responses, its rewards, ``finalize`` -- and every model turn reaches the gateway,
-so each token is recorded and trained. The job closes the process with the suite (``close``). The
+so each token is recorded and trained. The job stops the process with the suite (``shutdown``). The
 score: ``outcome`` is verifiers' episode reward (the weighted sum of its rewards; success is outcome
 >= 1), and each reward's score is a component under its own name (``train.advantage.shaping.
 component_weights`` can weigh them).
@@ -97,7 +97,7 @@ class VerifiersSuite:
                                          str(self.rollout.max_turns)])
         return VerifiersEpisode(self.bridge, sampling)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         """Stop the bridge process (it is started again if another episode comes)."""
         if self.bridge is not None:
             self.bridge.close()
