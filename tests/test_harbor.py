@@ -63,7 +63,7 @@ def test_compose_services_are_refused_and_a_refused_task_is_never_drawn(tmp_path
     _task(tmp_path, "svc", "FROM python:3.12\n")
     (tmp_path / "svc/environment/docker-compose.yaml").write_text("services: {db: {image: postgres}}\n")
     _task(tmp_path, "ok", "FROM python:3.12-slim\nWORKDIR /app\n", toml='[metadata]\nsplit = "train"')
-    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig())
+    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig(root_dir=str(tmp_path / "ws")))
     assert "docker-compose.yaml starts services" in suite.refused["svc"]
     assert {t.metadata["harbor_task"] for t in suite.tasks("train", 5)} == {"ok"}
     with pytest.raises(EnvError, match="no runnable Harbor tasks for split 'eval'.*refused: svc"):
@@ -95,7 +95,7 @@ def test_the_verifier_runs_at_tests_and_reads_reward_files(tmp_path):
                'open(\'/logs/verifier/reward.json\', \'w\'))"; echo noise',
           solve="echo done > out.txt")
     _task(tmp_path, "none", "FROM python:3.12\n", toml='[metadata]\nsplit = "eval"', test="echo no reward file")
-    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig())
+    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig(root_dir=str(tmp_path / "ws")))
     v = asyncio.run(run_solution(suite, suite.by_name["json"], episode_id="t-json"))
     assert (v.reward, v.components, v.error) == (0.5, {"style": 1.0}, None), v.output  # booleans are not rewards
     v = asyncio.run(run_noop(suite, suite.by_name["none"], episode_id="t-none"))
@@ -107,7 +107,7 @@ def test_a_workdir_that_would_hide_the_bound_python_is_refused(tmp_path):
 
     hidden = str(Path(sys.prefix).parent)  # the venv's folder: the sandbox binds the running Python from there
     _task(tmp_path, "shadow", f"FROM python:3.12\nWORKDIR {hidden}\n", toml='[metadata]\nsplit = "train"')
-    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig())
+    suite = HarborSuite(HarborConfig(tasks_dir=str(tmp_path)), envs=EnvsConfig(root_dir=str(tmp_path / "ws")))
     with pytest.raises(EnvError, match=f"would hide {sys.prefix}"):
         asyncio.run(run_noop(suite, suite.by_name["shadow"], episode_id="t-shadow"))
 
@@ -121,8 +121,9 @@ def test_the_local_runtime_refuses_to_remap_paths(tmp_path):
         asyncio.run(run_noop(suite, suite.by_name["hello-file"], episode_id="t-local"))
 
 
-def test_every_shipped_task_validates_from_the_command_line():
-    r = subprocess.run(arborl_cmd("envs", "validate", "harbor", str(REPO / "configs/harbor.yaml")),
+def test_every_shipped_task_validates_from_the_command_line(tmp_path):
+    r = subprocess.run(arborl_cmd("envs", "validate", "harbor", str(REPO / "configs/harbor.yaml"), "--set",
+                                  f"rollout.envs.root_dir={tmp_path / 'ws'}"),
                        capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -132,7 +133,8 @@ def test_every_shipped_task_validates_from_the_command_line():
 
 def test_solutions_become_demonstrations_through_the_code_agents_tool(tmp_path):
     out = tmp_path / "demos.jsonl"
-    r = subprocess.run(arborl_cmd("envs", "demos", "harbor", "--tasks-dir", str(TASKS), "--out", str(out)),
+    r = subprocess.run(arborl_cmd("envs", "demos", "harbor", "--tasks-dir", str(TASKS), "--out", str(out), "--set",
+                                  f"rollout.envs.root_dir={tmp_path / 'ws'}"),
                        capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr
     demos = [json.loads(x) for x in out.read_text().splitlines()]
@@ -148,7 +150,8 @@ def test_solutions_become_demonstrations_through_the_code_agents_tool(tmp_path):
 def test_harbor_trains_end_to_end_with_its_verifier_as_the_reward(tmp_path):
     cfg = tiny_cfg(tmp_path, "harbor", "rollout.task=harbor", f"rollout.harbor.tasks_dir={TASKS}",
                    "rollout.steps=1", "rollout.batch_tasks=2", "rollout.group_size=2", "rollout.max_turns=2",
-                   "rollout.eval_tasks=2", "rollout.max_tokens=8", "engine.max_seq_len=2048")
+                   "rollout.eval_tasks=2", "rollout.max_tokens=8", "engine.max_seq_len=2048",
+                   f"rollout.envs.root_dir={tmp_path / 'ws'}")
     summary = train(cfg)
     assert summary["steps"] == 1
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
@@ -160,7 +163,8 @@ def test_harbor_trains_end_to_end_with_its_verifier_as_the_reward(tmp_path):
         verdict = e.meta["outcome"]["info"]["harbor"]
         assert verdict["error"] is None and verdict["returncode"] == 0, verdict  # the verifier ran and wrote a reward
         assert e.reward_components["outcome"] == verdict["reward"] == 0.0  # a random tiny model solves nothing
-    assert not list((Path(cfg.rollout.envs.root_dir)).glob("*-*.eval-*"))  # no verifier scratch left behind
+    root = Path(cfg.rollout.envs.root_dir)
+    assert not list(root.glob("*.eval-*")) and not list(root.glob("ep-*"))  # no workspace or verifier scratch left
 
 
 def test_eval_fraction_host_images_and_the_verifier_time_limit_do_what_they_say(tmp_path):
@@ -169,7 +173,7 @@ def test_eval_fraction_host_images_and_the_verifier_time_limit_do_what_they_say(
               test="sleep 5; echo 1 > /logs/verifier/reward.txt" if i == 1 else "echo 0 > /logs/verifier/reward.txt")
 
     def suite(**kw):
-        return HarborSuite(HarborConfig(tasks_dir=str(tmp_path), **kw), envs=EnvsConfig())
+        return HarborSuite(HarborConfig(tasks_dir=str(tmp_path), **kw), envs=EnvsConfig(root_dir=str(tmp_path / "ws")))
 
     assert "t0" in suite().refused and "t0" not in suite(host_images=["python", "node"]).refused
     every = {f"t{i}" for i in range(1, 6)}
