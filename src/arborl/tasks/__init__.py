@@ -80,8 +80,6 @@ def _code_repair(rollout: "RolloutConfig") -> "CodeRepairSuite":
 @TASK_SUITES.register("gym")
 def _gym(rollout: "RolloutConfig") -> "GymSuite":
     from arborl.tasks.gym_env import GymSuite
-    from arborl.tasks.harbor import HarborSuite
-    from arborl.tasks.verifiers_env import VerifiersSuite
 
     return GymSuite(rollout)
 
@@ -89,7 +87,6 @@ def _gym(rollout: "RolloutConfig") -> "GymSuite":
 @TASK_SUITES.register("harbor")
 def _harbor(rollout: "RolloutConfig") -> "HarborSuite":
     from arborl.tasks.harbor import HarborSuite
-    from arborl.tasks.verifiers_env import VerifiersSuite
 
     return HarborSuite(rollout.harbor, envs=rollout.envs, max_turns=rollout.max_turns,
                        command_timeout_s=rollout.envs.wall_s)
