@@ -18,6 +18,7 @@ from arborl.gateway.render import ChatRenderer
 from arborl.run.job import TokenDriftError, train
 
 from helpers.blackbox_gateway import ADD_TOOL, TOOL_CALL_TEXT, script_messages, start_harness
+from helpers.echo_env import echo_env
 from helpers.tiny_run import ENV, arborl_cmd, tiny_cfg
 
 
@@ -97,19 +98,8 @@ def test_unrecorded_requests_are_counted_not_audited(tmp_path):
         harness.close()
 
 
-ECHO_ENV = """
-class Echo:
-    def reset(self, seed=None):
-        return "Say something.", {}
-
-    def step(self, action):
-        return "Again.", 0.0, False, False, {}
-"""
-
-
 def test_the_cli_audits_a_run_and_agrees_with_the_step_metrics(tmp_path):
-    (tmp_path / "echo.py").write_text(ECHO_ENV)
-    cfg = tiny_cfg(tmp_path, "audited", "rollout.task=gym", f"rollout.gym.env={tmp_path}/echo.py:Echo",
+    cfg = tiny_cfg(tmp_path, "audited", "rollout.task=gym", f"rollout.gym.env={echo_env(tmp_path)}",
                    "rollout.max_turns=3", "rollout.steps=1", "rollout.batch_tasks=2", "rollout.group_size=2",
                    "rollout.max_tokens=6")
     train(cfg)
@@ -132,8 +122,7 @@ def test_the_cli_audits_a_run_and_agrees_with_the_step_metrics(tmp_path):
 def test_max_drift_rate_stops_a_drifting_run_with_a_checkpoint(tmp_path, bound):
     """Multi-turn episodes of a random tiny model with stitching off: its replies, re-rendered as text,
     are not its tokens, so later calls drift; a bound of 0 stops the run after its first step, 1 never."""
-    (tmp_path / "echo.py").write_text(ECHO_ENV)
-    cfg = tiny_cfg(tmp_path, f"drifting{bound}", "rollout.task=gym", f"rollout.gym.env={tmp_path}/echo.py:Echo",
+    cfg = tiny_cfg(tmp_path, f"drifting{bound}", "rollout.task=gym", f"rollout.gym.env={echo_env(tmp_path)}",
                    "rollout.max_turns=3", "rollout.steps=2", "rollout.batch_tasks=2", "rollout.group_size=2",
                    "rollout.max_tokens=6", "gateway.stitching=false", f"gateway.max_drift_rate={bound}")
     if bound == 1.0:

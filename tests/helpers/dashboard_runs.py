@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from helpers.echo_env import echo_env
 from helpers.tiny_run import tiny_cfg
 
 from arborl.config import dump_config
@@ -44,24 +45,12 @@ def warm_run(runs_dir: Path, name: str = "warm") -> Path:
     return cfg.run_dir
 
 
-# a multi-turn gym environment (as tests/test_audit.py's): the tiny model's replies come back as history
-ECHO_ENV = """
-class Echo:
-    def reset(self, seed=None):
-        return "Say something.", {}
-
-    def step(self, action):
-        return "Again.", 0.0, False, False, {}
-"""
-
-
 def drifting_run(runs_dir: Path, name: str = "drifting") -> Path:
     """A real tiny run whose later calls drift (`arborl audit` finds them): three-turn episodes with
     stitching off, so each later call's prompt is the conversation rendered again as text, which a random
     model's replies do not re-tokenize to; every chat request recorded."""
-    env = runs_dir / f"{name}-echo.py"  # a file, not a run directory: the dashboard passes it by
-    env.write_text(ECHO_ENV)
-    cfg = tiny_cfg(runs_dir, name, "rollout.task=gym", f"rollout.gym.env={env}:Echo", "rollout.max_turns=3",
+    env = echo_env(runs_dir, f"{name}-echo.py")  # a file, not a run directory: the dashboard passes it by
+    cfg = tiny_cfg(runs_dir, name, "rollout.task=gym", f"rollout.gym.env={env}", "rollout.max_turns=3",
                    "rollout.steps=1", "rollout.batch_tasks=2", "rollout.group_size=2", "rollout.max_tokens=6",
                    "gateway.stitching=false")
     train(cfg)

@@ -168,9 +168,9 @@ def create_app(paths: list[str | Path]) -> FastAPI:
     def _audit(run: str, examples: int = Query(default=5, ge=0, le=50)) -> Response:
         """`arborl audit`'s answer for the run, computed on request (the tokenizer, the whole data pool) and
         kept until the data pool changes."""
-        path = run_of(run).path
+        r = run_of(run)
         try:
-            return _json(audits.audit(path, examples))
+            return _json(audits.audit(r.path, r.datapool_file(), examples))
         except ArborlError as e:  # no data pool, no tokenizer (arborl.show.ShowError), an unreadable config
             raise HTTPException(404, f"run {run!r}: {e}") from None
 

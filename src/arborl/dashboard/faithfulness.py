@@ -13,15 +13,12 @@ from typing import Any
 
 from arborl.audit import audit_run, decoded_examples
 
-DATAPOOL = "datapool.sqlite"  # the file audit_run reads
-
-
-def datapool_stamp(run_dir: Path) -> tuple[tuple[int, int] | None, ...]:
+def datapool_stamp(datapool: Path) -> tuple[tuple[int, int] | None, ...]:
     """What changes when a job writes to the data pool: its files' mtimes and sizes (SQLite in WAL mode
     writes the -wal file first; a checkpoint moves the pages into the main file)."""
     out = []
     for suffix in ("", "-wal"):
-        f = run_dir / (DATAPOOL + suffix)
+        f = datapool.with_name(datapool.name + suffix)
         try:
             st = f.stat()
         except OSError:
@@ -32,7 +29,7 @@ def datapool_stamp(run_dir: Path) -> tuple[tuple[int, int] | None, ...]:
 
 
 class AuditCache:
-    """``audit(run_dir)``: ``{**report.summary(), "examples": decoded_examples(...)}``, computed again only
+    """``audit(run_dir, datapool)``: ``{**report.summary(), "examples": decoded_examples(...)}``, computed again only
     when the data pool changed; arborl.show.ShowError (an ArborlError) for a run without a data pool or
     a tokenizer."""
 
@@ -40,10 +37,11 @@ class AuditCache:
         self._lock = threading.Lock()
         self._done: dict[tuple[Path, int], tuple[Any, dict[str, Any]]] = {}
 
-    def audit(self, run_dir: Path, examples: int = 5) -> dict[str, Any]:
+    def audit(self, run_dir: Path, datapool: Path, examples: int = 5) -> dict[str, Any]:
+        """``datapool``: the run's data pool file (its ``datapool.filename``), watched for changes."""
         key = (run_dir, examples)
         with self._lock:  # one audit at a time: each loads a tokenizer and reads a whole data pool
-            stamp = datapool_stamp(run_dir)
+            stamp = datapool_stamp(datapool)
             hit = self._done.get(key)
             if hit is not None and hit[0] == stamp:
                 return hit[1]

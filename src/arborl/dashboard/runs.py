@@ -31,7 +31,7 @@ WELL_KNOWN = (
 
 # a step's time by part, as its metrics row records them (column, label), stacked; "other" is step_s less their
 # sum. No row records reward scoring (inside rollout_s: episodes are scored as they finish) or idle time apart
-# (under an async policy rollout_s is the trainer's wait for a batch), nor a step's peak memory.
+# (under an async policy rollout_s is the trainer's wait for a batch); peak memory is a curve of its own.
 TIME_PARTS = (("rollout_s", "rollout"), ("train_s", "train"), ("mtp/step_s", "MTP draft training"),
               ("publish_s", "weight sync"))
 
