@@ -44,10 +44,14 @@ class ModelConfig(Section):
     )
     tiny_layers: int = Field(2, ge=1, description="layers of the tiny random model (source=tiny)")
     tiny_hidden: int = Field(64, ge=8, description="hidden size of the tiny random model (source=tiny)")
-    tiny_vocab: int = Field(512, ge=16, description="vocabulary size of the tiny random model (source=tiny, no tokenizer)")
+    tiny_vocab: int = Field(
+        512, ge=16, description="vocabulary size of the tiny random model (source=tiny); with a tokenizer, the LM head's "
+        "rows when that is more than the tokenizer's ids (real models' heads are often wider: Qwen2.5's 151,936 rows for "
+        "151,665 tokens)")
     tiny_tokenizer: Literal["none", "smollm2"] = Field(
         "none",
-        description="tokenizer of the tiny model: none (token ids only) or SmolLM2's (vocab = its 49152 ids)",
+        description="tokenizer of the tiny model: none (token ids only) or SmolLM2's (vocab = its 49152 ids, or "
+        "tiny_vocab where larger)",
     )
     seed: int = Field(0, description="seed of the tiny random model's weights")
 

@@ -12,6 +12,7 @@ Two log-probabilities are kept per generated token:
 from __future__ import annotations
 
 import enum
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,9 @@ class EpisodeStatus(str, enum.Enum):
     ABORTED = "aborted"
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's rule: logits / T at smaller T overflow float32, so it is argmax
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -55,8 +59,8 @@ class SamplingParams:
     seed: int | None = None  # per-request RNG seed: same seed, same tokens
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -70,7 +74,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or below ``GREEDY_BELOW_TEMPERATURE``."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(slots=True)

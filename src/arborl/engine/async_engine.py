@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from arborl.engine.engine import LLMEngine
-from arborl.engine.face import EngineClosedError, EngineError, EngineLimits, TokenEvent
+from arborl.engine.face import EngineClosedError, EngineError, EngineLimits, RequestFailedError, TokenEvent
 from arborl.engine.sequence import Sequence
 from arborl.types import GenerateRequest, GenerateResult
 
@@ -233,6 +233,8 @@ class AsyncEngine:
                 continue
             for res in results:
                 self._resolve(res.request_id, res, None)
+            for request_id, why in self.engine.take_failed():
+                self._resolve(request_id, None, RequestFailedError(why))
             self._check_pause()
         self._fail_in_flight(EngineClosedError("engine is shut down"))
         for loop, fut, _ in self._pause_waiters:

@@ -14,6 +14,7 @@ draft tokens is dropped by not counting it (``kv_len``), and later writes overwr
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ from arborl.engine.spec.verify import accept_all
 from arborl.heap import release_free_memory
 from arborl.prefix import RadixTree
 from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
+
+_NOT_FINITE = ("its next-token distribution is not finite (NaN / inf logits): no token can be drawn; the "
+               "other requests of the step went on")
 
 
 @dataclass
@@ -106,6 +110,7 @@ class LLMEngine:
         self._running: list[Sequence] = []  # index == slot
         self._by_id: dict[str, Sequence] = {}
         self._aborts: set[str] = set()
+        self._failed: list[tuple[str, str]] = []  # (request id, why): requests that failed alone in a step
         self.stats = EngineStats()
         self.spec = SpecDecoder(self) if config.spec.enabled else None
         if owns_model and self.spec is None:  # a drafter may run the policy's modules (draft_layers): kept then
@@ -206,6 +211,12 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
         return results
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """The requests that failed alone since the last call, with the reason; the others of their step
+        went on. Their callers get an error (``RequestFailedError``), not a result."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def reap_aborts(self) -> list[GenerateResult]:
         """End the aborted requests now, without a decode step (a paused engine still answers aborts)."""
@@ -371,39 +382,54 @@ class LLMEngine:
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
         self.spec.metrics.verify_steps += 1
         for seq, acc in zip(batch, results):
-            reason = None
+            if not all(map(math.isfinite, acc.logprobs + acc.sample_logprobs)):
+                self._fail(seq, _NOT_FINITE)
+                continue
             for tok, lp, slp in zip(acc.tokens, acc.logprobs, acc.sample_logprobs):
-                seq.append(tok, lp, slp, self.version)
-                self.stats.generated_tokens += 1
-                reason = self.stop_rules.reason(seq.request, seq.output, tok)
-                if seq.on_token is not None:
-                    seq.on_token(seq)
-                if reason is not None:
+                seq.kv_len = len(seq.tokens)  # the KV of every token before the one appended now
+                if self._emit(seq, tok, lp, slp, finished):
                     break
-            seq.kv_len = len(seq.tokens) - 1
-            if reason is not None:
-                seq.finish_reason = reason
-                self._release(seq)
-                finished.append(seq)
         self.spec.observe(batch, hidden)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
         out = sample(logits, [s.request.params for s in seqs], [s.seed for s in seqs], [s.next_position for s in seqs])
+        failed = set(out.failed)
         for i, seq in enumerate(seqs):
-            tok = out.tokens[i]
-            seq.append(tok, out.logprobs[i], out.sample_logprobs[i], self.version)
-            self.stats.generated_tokens += 1
+            if i in failed:
+                self._fail(seq, _NOT_FINITE)
+            else:
+                self._emit(seq, out.tokens[i], out.logprobs[i], out.sample_logprobs[i], finished)
+
+    def _emit(self, seq: Sequence, tok: int, logprob: float, sample_logprob: float, finished: list[Sequence]) -> bool:
+        """Append one generated token, apply the stop rules and the request's callback; True when the
+        sequence left the batch (finished, or failed: an error in its own stop rule or callback fails it
+        alone)."""
+        seq.append(tok, logprob, sample_logprob, self.version)
+        self.stats.generated_tokens += 1
+        try:
             reason = self.stop_rules.reason(seq.request, seq.output, tok)
             if seq.on_token is not None:
                 seq.on_token(seq)
-            if reason is not None:
-                seq.finish_reason = reason
-                self._release(seq)
-                finished.append(seq)
+        except Exception as e:  # noqa: BLE001 - the request's own failure, reported to its caller
+            self._fail(seq, f"its stop rule or token callback raised {e!r}")
+            return True
+        if reason is None:
+            return False
+        seq.finish_reason = reason
+        self._release(seq)
+        finished.append(seq)
+        return True
 
-    def _release(self, seq: Sequence) -> None:
+    def _fail(self, seq: Sequence, why: str) -> None:
+        """Take ``seq`` out of the engine alone; its KV is not cached (it may be what went wrong)."""
+        if seq.slot >= 0:
+            self._release(seq, cache=False)
+        self._by_id.pop(seq.request_id, None)
+        self._failed.append((seq.request_id, f"request {seq.request_id} failed at token {len(seq.output)}: {why}"))
+
+    def _release(self, seq: Sequence, *, cache: bool = True) -> None:
         """Take ``seq`` out of the running batch, cache its KV, compact the slots."""
-        if seq.kv_len > 0:
+        if cache and seq.kv_len > 0:
             self.prefix_cache.insert(seq.tokens[: seq.kv_len], lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b))
         last = self._running.pop()
         if last is not seq:

@@ -30,6 +30,11 @@ class EngineClosedError(EngineError):
     """The engine was shut down."""
 
 
+class RequestFailedError(EngineError):
+    """This request failed inside an engine step (e.g. its logits were not finite); the other requests
+    of the step went on."""
+
+
 @dataclass
 class TokenEvent:
     token_id: int

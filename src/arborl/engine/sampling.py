@@ -26,6 +26,7 @@ class SampleOutput:
     tokens: list[int]
     logprobs: list[float]
     sample_logprobs: list[float]
+    failed: list[int]  # rows whose logits were not finite (NaN / inf): no token can be drawn from them
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -66,13 +67,14 @@ def position_uniform(seed: int, position: int) -> float:
 def draw(dist: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """One token per row of log-probabilities ``dist`` [n, vocab]: the first whose cumulative
     probability (float64) exceeds u * total, for that row's uniform u. Tokens of zero mass are never
-    drawn."""
+    drawn. A row that is not a distribution (NaN) still gets an id inside the vocabulary; ``sample``
+    reports it as failed."""
     cdf = torch.cumsum(dist.exp().double(), dim=-1)
     total = cdf[:, -1:].contiguous()
     u = torch.tensor(uniforms, dtype=torch.float64, device=dist.device).unsqueeze(-1)
     idx = torch.searchsorted(cdf, u * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # the last token with mass (u * total may round up to total)
-    return torch.minimum(idx, last).squeeze(-1)
+    return torch.minimum(idx, last).squeeze(-1).clamp_(max=dist.shape[-1] - 1)
 
 
 def sampling_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -80,7 +82,8 @@ def sampling_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     truncation), for rows of float32 logits [n, vocab] with one non-greedy ``params`` per row."""
     device = logits.device
     scaled = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(-1)
-    top_k = torch.tensor([p.top_k for p in params], device=device)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k < vocab else 0 for p in params], device=device)  # >= vocab: all of it
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k > 0).any() or (top_p < 1).any()):
         scaled = _truncate(scaled, top_k, top_p)
@@ -110,4 +113,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
             raw = sample_lp  # logits / 1.0 is logits: dist is log_probs(logits), the same bits as below
     if raw is None:
         raw = logits[rows, tokens] - torch.logsumexp(logits, dim=-1)  # = log_probs(logits)[rows, tokens]
-    return SampleOutput(tokens=tokens.tolist(), logprobs=raw.tolist(), sample_logprobs=sample_lp.tolist())
+    bad = ~(torch.isfinite(raw) & torch.isfinite(sample_lp))
+    failed = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+    return SampleOutput(tokens=tokens.tolist(), logprobs=raw.tolist(), sample_logprobs=sample_lp.tolist(), failed=failed)

@@ -159,9 +159,31 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
+def _unpaired_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string holding half of a UTF-16 surrogate pair
+    (JSON's ``\\ud800`` escape decodes to one; it is not text a tokenizer can encode), or None."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, c in v.items():
+                shown = k.encode("utf-8", "replace").decode()
+                stack.append((c, f"{path}.{shown}" if path else shown))
+                stack.append((k, f"{path}.<key {shown!r}>" if path else f"<key {shown!r}>"))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}[{i}]") for i, c in enumerate(v))
+    return None
+
+
 def parse_json(raw: bytes) -> Any:
-    """The decoded request body; a BadRequestError when it is empty, not JSON, or nested more than
-    ``MAX_JSON_DEPTH`` levels (deeper bodies would exhaust the recursion of later stages)."""
+    """The decoded request body; a BadRequestError when it is empty, not JSON, nested more than
+    ``MAX_JSON_DEPTH`` levels (deeper bodies would exhaust the recursion of later stages), or holds a
+    string that is not valid Unicode."""
     if not raw.strip():
         raise BadRequestError("the request body is empty: send a JSON object")
     too_deep = BadRequestError(f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} levels deep")
@@ -174,6 +196,9 @@ def parse_json(raw: bytes) -> Any:
         raise too_deep from None
     if (raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH) and _too_deep(value, MAX_JSON_DEPTH):
         raise too_deep
+    if b"\\u" in raw and (where := _unpaired_surrogate(value)) is not None:
+        raise BadRequestError(f"{where} holds an unpaired UTF-16 surrogate (a \\uD800-\\uDFFF escape without its "
+                              "other half): strings must be valid Unicode", param=where)
     return value
 
 

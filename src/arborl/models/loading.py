@@ -293,7 +293,8 @@ def _load_model(cfg: ModelConfig) -> LoadedModel:
     * ``tiny``: ``tiny_llama(layers=tiny_layers, hidden=tiny_hidden, vocab=..., seed=seed)``.
       With ``tiny_tokenizer="none"`` there is no tokenizer, the vocab is ``tiny_vocab`` and the
       EOS id is the last id, ``tiny_vocab - 1``. With ``"smollm2"`` the SmolLM2 tokenizer is
-      used (from the cached dir), the vocab is ``len(tokenizer)`` and EOS is ``<|im_end|>``.
+      used (from the cached dir), the vocab is ``len(tokenizer)`` (or ``tiny_vocab`` where larger: an LM
+      head wider than the tokenizer, as real models have) and EOS is ``<|im_end|>``.
     """
     dtype = _DTYPES[cfg.dtype]
     tokenizer: PreTrainedTokenizerBase | None = None
@@ -317,7 +318,7 @@ def _load_model(cfg: ModelConfig) -> LoadedModel:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2_dir(cfg.cache_dir)))
-            vocab = len(tokenizer)
+            vocab = max(len(tokenizer), cfg.tiny_vocab)
         model = tiny_llama(layers=cfg.tiny_layers, hidden=cfg.tiny_hidden, vocab=vocab, seed=cfg.seed, dtype=dtype)
         if tokenizer is not None:
             eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
