@@ -422,7 +422,7 @@ class Gateway:
                 params = SamplingParams(
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=max(0, req.top_k or 0),
+                    top_k=max(0, req.top_k or 0) if (req.top_k or 0) < self.vocab_size else 0,  # past the vocab: off
                     max_tokens=max_tokens,
                     stop_token_ids=list(req.stop_token_ids or []),
                     stop=stops,
