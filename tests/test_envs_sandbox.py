@@ -345,7 +345,7 @@ def test_ro_binds_are_visible_and_read_only(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid pool is used as root only")
 def test_sandbox_uids_pool_gives_each_live_workspace_its_own_uid(tmp_path):
-    rt = _rt(tmp_path, sandbox_uid_base=70000, sandbox_uids=2)
+    rt = _rt(tmp_path, sandbox_uid_base=70000, sandbox_uids=2, sandbox_wait_s=0)  # no queue: a full pool fails at once
     tpl = _template(tmp_path)
 
     async def go():
@@ -369,7 +369,7 @@ def test_runtimes_with_different_roots_never_hand_out_the_same_uid(tmp_path):
     # the uids are the host's: a second runtime (another job, another worker) with its own root_dir
     # must not reuse a uid the first holds, or closing one sandbox kills the other's processes
     a_rt = _rt(tmp_path, root_dir=str(tmp_path / "root-a"), sandbox_uid_base=70100, sandbox_uids=2)
-    b_rt = _rt(tmp_path, root_dir=str(tmp_path / "root-b"), sandbox_uid_base=70100, sandbox_uids=3)
+    b_rt = _rt(tmp_path, root_dir=str(tmp_path / "root-b"), sandbox_uid_base=70100, sandbox_uids=3, sandbox_wait_s=0)
     tpl = _template(tmp_path)
 
     async def go():

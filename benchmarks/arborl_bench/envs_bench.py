@@ -15,7 +15,16 @@ Sections (each a function ``(quick, console) -> dict`` in ``SECTIONS``; a new pa
    and hard links (unsafe: an agent's write would change the template): ``copy_<mode>_<size>_ms``.
 4. escapes: the scripted adversarial agent of ``arborl_bench.escapes`` against the sandbox:
    ``escape_attempts``, ``escapes`` (goal 0), ``escaped`` (names).
-5. code repair: the task suite's validation figures (``benchmarks/arborl_bench/envs_tasks_bench.py``).
+5. concurrency sweep: 16, 64 and 256 sandboxes at once, each running a short agent command (a Python
+   program that writes a file, reports in to the bench over a bound unix socket and waits there until
+   every sandbox of its wave has reported in, so all of them are live together; where the host cannot
+   hold that many, until the others wait in the runtime's queue). Per wave:
+   ``sandbox_start_failures_<n>``, ``sandbox_start_p50_ms_<n>`` / ``_p99_ms_<n>`` (prepare until the
+   agent runs in its sandbox, queue waits included), ``sandbox_queue_waits_<n>`` (starts that waited for
+   the host: a uid, processes, descriptors, memory) and ``sandbox_queue_wait_max_ms_<n>``; after the sweep
+   ``sandbox_leftovers`` (goal 0: processes, mounts, held uids, workspaces, /dev/shm files;
+   ``envs/leftovers.py``) and ``sandbox_leftovers_by_kind``.
+6. code repair: the task suite's validation figures (``benchmarks/arborl_bench/envs_tasks_bench.py``).
 """
 
 from __future__ import annotations
@@ -36,10 +45,19 @@ from rich.table import Table
 from arborl.config import EnvsConfig
 from arborl.envs import make_runtime
 from arborl.envs.bwrap import check_bwrap
+from arborl.envs.leftovers import leftovers, shm_files
 from arborl_bench.escapes import run_escapes
 from arborl.envs.workspace import copy_tree, copy_with_cp, mount_tmpfs, remove_tree, unmount
 
 CONCURRENCY = 16
+SWEEP = (16, 64, 256)
+SWEEP_UID_BASE = 64000  # its own uids, apart from the default pool's, so its leftover count is its own
+# the sweep's agent: writes in its workspace, reports in over the bound socket, waits for the wave's go
+SWEEP_AGENT = (
+    "import os, socket, sys; open('note.txt', 'w').write('x'); s = socket.socket(socket.AF_UNIX); "
+    "s.connect(sys.argv[1]); s.sendall(os.environ['SWEEP_I'].encode() + b'\\n'); "
+    "assert s.recv(1) == b'g'; print(len(os.listdir('.')))"
+)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -168,6 +186,105 @@ def _section_throughput(quick: bool, work: Path) -> dict:
     }
 
 
+def section_sweep(quick: bool, console: Console) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arborl-bench-envs-") as d:
+        return _section_sweep(Path(d))
+
+
+def _section_sweep(work: Path) -> dict:
+    rt = make_runtime(_cfg(work, sandbox_uid_base=SWEEP_UID_BASE))
+    tpl = make_template(work, 12)
+    shm_before = shm_files()
+    out: dict = {"sandbox_sweep": list(SWEEP)}
+    reasons: list[str] = []
+    for n in SWEEP:
+        out.update(asyncio.run(_wave(rt, tpl, n, work / f"wave-{n}.sock", reasons)))
+    left = leftovers(rt, shm_before)
+    out["sandbox_leftovers"] = sum(left.values())
+    out["sandbox_leftovers_by_kind"] = left
+    out["sandbox_start_failure_reasons"] = sorted(set(reasons))[:5]
+    return out
+
+
+async def _wave(rt, tpl: Path, n: int, sock: Path, reasons: list[str]) -> dict:  # noqa: ANN001
+    """``n`` sandboxes at once, each until all have reported in; their start times and failures."""
+    t0 = time.perf_counter()
+    up: dict[int, float] = {}  # sandbox -> when its agent reported in
+    ended: set[int] = set()  # sandboxes whose command ended (or never began)
+    go = asyncio.Event()
+
+    def check() -> None:
+        # go once every sandbox has reported in, ended, or waits in the runtime's queue: where the host
+        # cannot hold n at once, those running end and make room for the queued ones
+        if len(up.keys() | ended) + rt.queue.waiting >= n:
+            go.set()
+
+    async def watch_queue() -> None:  # the queue's waiters do not report in: look at them now and then
+        while not go.is_set():
+            check()
+            await asyncio.sleep(0.05)
+
+    async def report_in(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up[int(await reader.readline())] = time.perf_counter()
+            check()
+            await go.wait()
+            writer.write(b"g")
+            await writer.drain()
+        except (ConnectionError, ValueError):  # its sandbox was killed first: counted as its failure
+            pass
+        finally:
+            writer.close()
+
+    async def sandbox(i: int) -> tuple[bool, float]:
+        """Whether sandbox ``i`` started, ran its agent and closed, and how long it queued."""
+        waited, ws = 0.0, None
+        try:
+            ws = await rt.prepare(tpl, episode_id=f"sweep-{n}-{i}")
+            waited = float(ws.extra.get("queue_wait_s", 0.0))
+            res = await rt.run(ws, ["python", "-c", SWEEP_AGENT, str(sock)], env={"SWEEP_I": str(i)},
+                               unix_sockets=[sock], timeout_s=120)
+            waited += res.queued_s
+            if res.returncode != 0:
+                reasons.append(f"exit {res.returncode} ({res.killed}): {res.stderr.strip()[-300:]}")
+            ok = res.returncode == 0 and i in up
+        except Exception as e:  # noqa: BLE001 - a start failure, counted and named
+            reasons.append(f"{type(e).__name__}: {e}"[:300])
+            ok = False
+        ended.add(i)
+        check()
+        try:
+            if ws is not None:
+                await rt.close(ws)
+        except Exception as e:  # noqa: BLE001
+            reasons.append(f"close: {type(e).__name__}: {e}"[:300])
+            ok = False
+        return ok, waited
+
+    server = await asyncio.start_unix_server(report_in, path=str(sock), backlog=n)
+    os.chmod(sock, 0o666)  # the sandbox's own uid connects to it
+    watcher = asyncio.ensure_future(watch_queue())
+    try:
+        results = await asyncio.gather(*(sandbox(i) for i in range(n)))
+    finally:
+        go.set()
+        await watcher
+        server.close()
+        await server.wait_closed()
+        sock.unlink(missing_ok=True)
+    starts = sorted(up[i] - t0 for i, (ok, _) in enumerate(results) if ok)
+    waits = [w for _, w in results]
+    ms = 1000.0
+    return {
+        f"sandbox_start_failures_{n}": sum(not ok for ok, _ in results),
+        f"sandbox_start_p50_ms_{n}": round(_pct(starts, 0.5) * ms, 1) if starts else None,
+        f"sandbox_start_p99_ms_{n}": round(_pct(starts, 0.99) * ms, 1) if starts else None,
+        f"sandbox_queue_waits_{n}": sum(w > 0 for w in waits),
+        f"sandbox_queue_wait_max_ms_{n}": round(max(waits) * ms, 1),
+        f"sandbox_sweep_wall_s_{n}": round(time.perf_counter() - t0, 2),
+    }
+
+
 def _overlay(tpl: Path, dst: Path, scratch: Path) -> Callable[[], None]:
     upper, workdir = scratch / "upper", scratch / "work"
     upper.mkdir()
@@ -262,6 +379,7 @@ SECTIONS: list[Callable[[bool, Console], dict]] = [
     section_throughput,
     section_copy_modes,
     section_escapes,
+    section_sweep,
     section_code_repair,
     section_episodes,
     section_training,

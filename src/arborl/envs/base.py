@@ -14,6 +14,7 @@ added; the agent's sandbox never sees them. Runtimes are registered by name (``E
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,20 @@ class InfraError(ArborlError):
 
     Episodes that end in an ``InfraError`` are marked infrastructure failures, kept out of the group
     statistics, and retried."""
+
+
+class ResourceBusy(InfraError):
+    """A host resource a sandbox takes (a pooled uid, processes, file descriptors, memory) is used up for
+    now; what was begun has been undone. The runtime's queue (``envs/queue.py``) waits and tries again."""
+
+
+# the errors of fork, clone, pipe and open that say "not now" rather than "never"
+TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether ``e`` (or the error it was raised from) is one of ``TRANSIENT_ERRNOS``."""
+    return any(isinstance(x, OSError) and x.errno in TRANSIENT_ERRNOS for x in (e, e.__cause__))
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class CommandResult:
     duration_s: float
     timed_out: bool = False
     killed: str | None = None  # why the runtime killed it (timeout, output cap, ...), None if it exited
+    queued_s: float = 0.0  # how long its start waited for the host (processes, file descriptors, memory)
 
 
 class Runtime(Protocol):

@@ -35,7 +35,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from arborl.config import EnvsConfig
-from arborl.envs.base import ENV_RUNTIMES, CommandResult, EnvError, InfraError, SandboxUnavailableError, Workspace
+from arborl.envs.base import (
+    ENV_RUNTIMES,
+    TRANSIENT_ERRNOS,
+    CommandResult,
+    EnvError,
+    InfraError,
+    ResourceBusy,
+    SandboxUnavailableError,
+    Workspace,
+    is_transient,
+)
 from arborl.envs.host import HostRuntime, own_root
 from arborl.envs.proc import rlimit_prefix, run_process
 from arborl.envs.reaper import reaper_path
@@ -55,6 +65,9 @@ _PROC_READ_ONLY_USER = ("irq", "bus")
 _PROC_MASKED = ("keys", "key-users", "kcore", "timer_list", "sched_debug", "latency_stats")
 KEYCTL = "/usr/bin/keyctl"
 _JOINED = re.compile(r"\AJoined session keyring: -?\d+\n")  # what `keyctl session` says on stderr first
+# how bwrap, the reaper or prlimit say a fork, clone, pipe or open failed for want of processes, descriptors
+# or memory (strerror of TRANSIENT_ERRNOS): the sandbox did not start, and may a moment later
+_TRANSIENT_TEXTS = tuple(os.strerror(e) for e in TRANSIENT_ERRNOS)
 _FIX = (
     "install bubblewrap (`apt-get install -y bubblewrap` as root, or `make venv`), or, knowing that agent "
     "commands then run with NO isolation on this machine, opt in with `--set rollout.envs.runtime=local`"
@@ -263,9 +276,10 @@ class BwrapRuntime(HostRuntime):
                     f"unix socket {s} is not writable by others, so the sandbox's unprivileged uid cannot connect "
                     "to it: chmod it 0o666 (only sandboxes it is bound into and this host's users can reach it)"
                 )
-        status_r, status_w = os.pipe()  # bwrap writes {"exit-code": N} there only if the sandbox started
-        filter_fd = seccomp_fd() if self.cfg.seccomp else None
+        status_r = status_w = filter_fd = None
         try:
+            status_r, status_w = os.pipe()  # bwrap writes {"exit-code": N} there only if the sandbox started
+            filter_fd = seccomp_fd() if self.cfg.seccomp else None
             sandbox = self.sandbox_argv(ws, argv, unix_sockets=unix_sockets)
             sandbox[1:1] = ["--json-status-fd", str(status_w)]
             if filter_fd is not None:
@@ -287,6 +301,10 @@ class BwrapRuntime(HostRuntime):
                 status = os.read(status_r, 65536).decode("utf-8", "replace")
             except BlockingIOError:
                 status = ""
+        except OSError as e:
+            if is_transient(e):
+                raise ResourceBusy(f"cannot set up a sandbox now: {e}") from e
+            raise
         finally:
             for fd in (status_r, status_w, filter_fd):
                 if fd is None:
@@ -296,7 +314,10 @@ class BwrapRuntime(HostRuntime):
                 except OSError:
                     pass
         if res.killed is None and '"exit-code"' not in status:
-            raise InfraError(f"the sandbox did not start (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+            said = res.stderr.strip()[-2000:]
+            if any(t in said for t in _TRANSIENT_TEXTS):
+                raise ResourceBusy(f"the sandbox did not start for want of processes, descriptors or memory: {said}")
+            raise InfraError(f"the sandbox did not start (exit {res.returncode}): {said}")
         res.stderr = _JOINED.sub("", res.stderr, count=1)
         if res.returncode == 1 and (res.stderr.startswith("bwrap: execvp")
                                     or res.stderr == f"{argv[0]}: No such file or directory\n"):

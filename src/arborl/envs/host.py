@@ -2,6 +2,10 @@
 
 A runtime subclass says how one command runs (``_exec``); this class makes and removes the
 directories, holds a workspace's sandbox uid, and runs ``evaluate`` in a separate scratch workspace.
+Every step that takes from the host (a workspace and its uid, a command's start, a close) goes through
+the runtime's queue (``envs/queue.py``): short of uids, processes, descriptors or memory it waits.
+The seconds waited are ``ws.extra["queue_wait_s"]`` (prepare), ``CommandResult.queued_s`` and
+``runtime.queue.stats()``.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from arborl.config import EnvsConfig
-from arborl.envs.base import CommandResult, EnvError, InfraError, Limits, Workspace
-from arborl.envs.proc import check_argv
+from arborl.envs.base import CommandResult, EnvError, InfraError, Limits, ResourceBusy, Workspace, is_transient
+from arborl.envs.proc import check_argv, raise_open_files_limit
+from arborl.envs.queue import SandboxQueue
 from arborl.envs.uids import UidPool
 from arborl.envs.workspace import (
     check_template,
@@ -97,6 +102,8 @@ class HostRuntime(abc.ABC):
         self.root = own_root(self.cfg.root_dir)
         self.is_root = os.geteuid() == 0
         self.uids = UidPool(self.cfg.sandbox_uid_base, self.cfg.sandbox_uids)
+        self.queue = SandboxQueue(self.cfg.sandbox_wait_s)
+        raise_open_files_limit()
         self._live: dict[str, Workspace] = {}
         self._pending: set[str] = set()  # ids being prepared
 
@@ -113,9 +120,13 @@ class HostRuntime(abc.ABC):
             raise EnvError(f"episode {episode_id!r} already has a live workspace: close it first or use a new id")
         self._pending.add(episode_id)
         try:
-            return await asyncio.to_thread(self._make, template, [], episode_id)
+            ws, waited = await self.queue.take(
+                lambda: asyncio.to_thread(self._make, template, [], episode_id), f"workspace {episode_id!r}"
+            )
         finally:
             self._pending.discard(episode_id)
+        ws.extra["queue_wait_s"] = waited
+        return ws
 
     async def run(
         self,
@@ -133,7 +144,7 @@ class HostRuntime(abc.ABC):
         for s in socks:
             if not s.is_absolute() or not s.exists():
                 raise EnvError(f"unix socket {s} does not exist (give the absolute path of a listening socket)")
-        return await self._exec(ws, argv, timeout_s=timeout_s, env=env, stdin=stdin, unix_sockets=socks)
+        return await self._start(ws, argv, timeout_s=timeout_s, env=env, stdin=stdin, unix_sockets=socks)
 
     async def evaluate(
         self,
@@ -155,19 +166,36 @@ class HostRuntime(abc.ABC):
         # room for a full workspace, the tests and what the test run writes: an agent that filled its
         # workspace must not make its own evaluation fail to start
         size_mb = self.cfg.disk_mb + (tree_bytes(tests) >> 20) + 1 + self.cfg.disk_mb // 4 + 16
-        scratch = await asyncio.to_thread(self._make, ws.path, [(tests.resolve(), tests.name)], scratch_id, size_mb)
+        scratch, waited = await self.queue.take(
+            lambda: asyncio.to_thread(self._make, ws.path, [(tests.resolve(), tests.name)], scratch_id, size_mb),
+            f"evaluation workspace {scratch_id!r}",
+        )
         try:
             if mounts:
                 await asyncio.to_thread(self._mount_dirs, scratch, mounts)
-            return await self._exec(scratch, argv, timeout_s=timeout_s, env=env, stdin=None, unix_sockets=[])
+            res = await self._start(scratch, argv, timeout_s=timeout_s, env=env, stdin=None, unix_sockets=[])
+            res.queued_s += waited
+            return res
         finally:
-            await asyncio.to_thread(self._destroy, scratch)
+            await self._close(scratch)
 
     async def close(self, ws: Workspace) -> None:
         if self._live.get(ws.episode_id) is ws:
-            await asyncio.to_thread(self._destroy, ws)
+            await self._close(ws)
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    async def _start(self, ws: Workspace, argv: list[str], **kw) -> CommandResult:  # noqa: ANN003
+        """``_exec``, queued while the host has no processes, descriptors or memory to start it."""
+        try:
+            res, waited = await self.queue.take(lambda: self._exec(ws, argv, **kw), f"command {argv[0]!r}")
+        finally:
+            self.queue.freed()  # its processes and pipes are gone
+        res.queued_s = waited
+        return res
+
+    async def _close(self, ws: Workspace) -> None:
+        await self.queue.take(lambda: asyncio.to_thread(self._destroy, ws), f"closing workspace {ws.episode_id!r}")
 
     def _mount_dirs(self, ws: Workspace, mounts: dict[str, str]) -> None:
         """Make the directories ``mounts`` shows elsewhere (owned by the workspace's uid) and note them."""
@@ -189,12 +217,18 @@ class HostRuntime(abc.ABC):
             raise EnvError(f"workspace {ws.episode_id!r} is not live in this runtime (closed, or made by another one)")
 
     def _make(self, source: Path, extra: list[tuple[Path, str]], episode_id: str, size_mb: int | None = None) -> Workspace:
-        """A workspace holding a copy of ``source`` (and each ``extra`` directory at its relative name)."""
+        """A workspace holding a copy of ``source`` (and each ``extra`` directory at its relative name);
+        ResourceBusy, with nothing left taken, where the host has no uid, descriptor or memory for it now."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
         path = self.root / episode_id
-        if path.exists() or path.is_symlink():  # a crashed process's leftover: never reuse it
-            unmount(path)
-            remove_tree(path)
+        try:
+            if path.exists() or path.is_symlink():  # a crashed process's leftover, or a failed try's: never reuse it
+                unmount(path)
+                remove_tree(path)
+        except OSError as e:
+            if is_transient(e):
+                raise ResourceBusy(f"cannot remove the leftover {path} now: {e}") from e
+            raise
         uid = self.uids.acquire() if self.drop_uid else None
         ws = Workspace(episode_id=episode_id, path=path, template=source, runtime=self.name)
         ws.extra["uid"] = uid
@@ -224,25 +258,44 @@ class HostRuntime(abc.ABC):
             if extra:
                 remove_bytecode(path)
         except OSError as e:
-            self._destroy(ws, live=False)
+            self._undo(ws)
             if getattr(e, "errno", None) == 28:  # ENOSPC: the template does not fit the disk cap
                 raise EnvError(f"{source} does not fit in rollout.envs.disk_mb={self.cfg.disk_mb} MiB: raise it") from e
+            if is_transient(e):
+                raise ResourceBusy(f"cannot make workspace {path} now: {e}") from e
             raise InfraError(f"cannot make workspace {path} from {source}: {e}") from e
         except BaseException:
-            self._destroy(ws, live=False)
+            self._undo(ws)
             raise
         self._live[episode_id] = ws
         return ws
 
+    def _undo(self, ws: Workspace) -> None:
+        """Remove a workspace that was never handed out. No command ran as its uid, so the uid goes back
+        even where the removal fails (the next ``_make`` of its id removes what is left)."""
+        try:
+            self._destroy(ws, live=False)
+        except (OSError, InfraError):
+            uid = ws.extra.get("uid")
+            if isinstance(uid, int):
+                self.uids.release(uid)
+
     def _destroy(self, ws: Workspace, live: bool = True) -> None:
+        """Kill, unmount, delete, give the uid back; each step may be done again (ResourceBusy between)."""
         if live:
             self._live.pop(ws.episode_id, None)
-        self._kill_leftovers(ws)
-        unmount(ws.path)
-        remove_tree(ws.path)
+        try:
+            self._kill_leftovers(ws)
+            unmount(ws.path)
+            remove_tree(ws.path)
+        except OSError as e:
+            if is_transient(e):
+                raise ResourceBusy(f"cannot delete workspace {ws.path} now: {e}") from e
+            raise
         uid = ws.extra.get("uid")
         if isinstance(uid, int):
             self.uids.release(uid)
+        self.queue.freed()
 
     def _kill_leftovers(self, ws: Workspace) -> None:
         """Kill processes still running as the workspace's uid (none should outlive a command)."""

@@ -8,16 +8,38 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from arborl.envs.base import CommandResult, EnvError, Limits
+from arborl.envs.base import CommandResult, EnvError, Limits, ResourceBusy, is_transient
 
 _READ = 65536
 _DRAIN_AFTER_KILL_S = 1.0  # a process that escaped the group may hold the pipes open: stop waiting
 _STOP_GRACE_S = 5.0  # after a kill_signal other than SIGKILL, before the group's SIGKILL
+_OPEN_FILES_AT_START = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit.
+
+    Each running command holds about eight descriptors here (its pipes, bwrap's status pipe, the seccomp
+    program, the uid lock), so the soft limit many systems start a job with (1024, kept low for select())
+    ran out near 128 concurrent sandboxes: starts failed with EMFILE and closes could not delete their
+    workspaces. Commands get back the limit the job started with (``rlimit_prefix``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        with open("/proc/sys/fs/nr_open") as f:  # the most a soft limit may be
+            hard_n = int(f.read())
+    else:
+        hard_n = hard
+    if soft != resource.RLIM_INFINITY and soft < hard_n:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard_n, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def check_argv(argv: Sequence[str]) -> list[str]:
@@ -37,18 +59,32 @@ def check_argv(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def check_descriptors_left() -> None:
+    """ResourceBusy unless an eighth of this process's descriptors (at least 64) stay free after a start:
+    commands queue before the limit, not at it, since the rest of the process (the gateway's connections
+    from the very agents started, checkpoints, logs) needs descriptors too."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return
+    left = soft - len(os.listdir("/proc/self/fd"))
+    if left < max(64, soft // 8):
+        raise ResourceBusy(f"only {left} of this process's {soft} file descriptors are free (RLIMIT_NOFILE)")
+
+
 def rlimit_prefix(limits: Limits) -> list[str]:
     """``prlimit`` options that set ``limits`` (all but the process cap, which counts a whole uid here: the
     bwrap runtime sets it inside its sandbox) on the process it then executes, inherited by children.
 
     The caller runs it with POSIXLY_CORRECT set so option parsing stops at the command's name."""
     mb = 1024 * 1024
+    soft, hard = (("unlimited" if n == resource.RLIM_INFINITY else str(n)) for n in _OPEN_FILES_AT_START)
     return [
         "prlimit",
         f"--cpu={limits.cpu_s}:{limits.cpu_s}",
         f"--as={limits.memory_mb * mb}:{limits.memory_mb * mb}",
         f"--fsize={limits.file_size_mb * mb}:{limits.file_size_mb * mb}",
         "--core=0:0",
+        f"--nofile={soft}:{hard}",  # what the job started with, not what raise_open_files_limit made it
     ]
 
 
@@ -66,8 +102,10 @@ async def run_process(
 ) -> CommandResult:
     """Run ``argv`` in its own session; past ``wall_s`` or ``output_bytes`` the whole group gets
     ``kill_signal`` (SIGKILL; SIGTERM where ``argv`` is a supervisor that stops its tree on it, as the bwrap
-    runtime's reaper does), and SIGKILL if it is still there ``_STOP_GRACE_S`` later."""
+    runtime's reaper does), and SIGKILL if it is still there ``_STOP_GRACE_S`` later. ResourceBusy where
+    it could not start for want of processes, descriptors or memory."""
     t0 = time.perf_counter()
+    check_descriptors_left()
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -83,6 +121,10 @@ async def run_process(
         return CommandResult(shown_argv, 127, "", f"command not found: {argv[0]}", time.perf_counter() - t0)
     except PermissionError as e:
         return CommandResult(shown_argv, 126, "", f"cannot execute {argv[0]}: {e}", time.perf_counter() - t0)
+    except OSError as e:
+        if is_transient(e):  # no process, pipe or memory for it now: nothing started, the runtime queues it
+            raise ResourceBusy(f"cannot start {argv[0]}: {e}") from e
+        raise
     bufs: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
     total = [0]
     killed: list[str] = []

@@ -10,6 +10,9 @@ on one uid would share a process cap, and closing one kills every process of its
 A uid's kernel keyrings (``@u``, ``@us``, its persistent keyring) outlive every process of the uid, so the
 pool empties them when it hands a uid out and when it takes it back (``keyrings.clear_user_keyrings``):
 what one episode stored there never reaches the next episode that draws the uid.
+
+When every uid is held, ``acquire`` raises ``ResourceBusy``: the runtime queues the workspace until one is
+given back (``envs/queue.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from arborl.envs.base import InfraError
+from arborl.envs.base import InfraError, ResourceBusy, is_transient
 from arborl.envs.keyrings import clear_user_keyrings
 
 log = logging.getLogger(__name__)
@@ -40,13 +43,19 @@ class UidPool:
         self._held: dict[int, int] = {}  # uid -> lock fd
 
     def acquire(self) -> int:
+        """A free uid, held until ``release``; ResourceBusy where none is free now."""
         self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         start = random.randrange(self.size)
         for i in range(self.size):
             uid = self.base + (start + i) % self.size
             if uid in self._held:
                 continue
-            fd = os.open(self.lock_dir / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(self.lock_dir / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                if is_transient(e):
+                    raise ResourceBusy(f"cannot open sandbox uid {uid}'s lock: {e}") from e
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -59,7 +68,7 @@ class UidPool:
                 raise InfraError(f"cannot clear the kernel keyrings of sandbox uid {uid}: {e}") from e
             self._held[uid] = fd
             return uid
-        raise InfraError(
+        raise ResourceBusy(
             f"all {self.size} sandbox uids from {self.base} are in use: raise rollout.envs.sandbox_uids or close workspaces"
         )
 

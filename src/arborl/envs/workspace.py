@@ -15,7 +15,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from arborl.envs.base import EnvError, InfraError
+from arborl.envs.base import TRANSIENT_ERRNOS, EnvError, InfraError, ResourceBusy
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -39,7 +39,7 @@ def mount_tmpfs(path: Path, *, size_mb: int, uid: int | None) -> None:
         opts += f",uid={uid},gid={uid}"
     if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
-        raise InfraError(f"cannot mount a tmpfs at {path}: {os.strerror(err)}")
+        raise (ResourceBusy if err in TRANSIENT_ERRNOS else InfraError)(f"cannot mount a tmpfs at {path}: {os.strerror(err)}")
 
 
 def unmount(path: Path) -> None:
@@ -140,12 +140,19 @@ def remove_tree(path: Path) -> None:
     """Delete ``path`` even where an agent took away permissions (chmod 000 dirs) as a non-root owner."""
 
     def fix(func, p, exc):  # noqa: ANN001 - shutil's onerror signature
+        if isinstance(exc[1], FileNotFoundError):
+            return
+        if not isinstance(exc[1], PermissionError):  # EMFILE and the like: chmod would not help
+            raise exc[1]
         parent = os.path.dirname(p)
         try:
             os.chmod(parent, 0o700)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o700)
-            func(p)
+            if func in (os.open, os.scandir, os.listdir):  # a directory it could not enter: start over below it
+                shutil.rmtree(p, onerror=fix)
+            else:
+                func(p)
         except FileNotFoundError:
             pass
 
