@@ -887,6 +887,12 @@ class EnvsConfig(Section):
         "so the process cap binds (RLIMIT_NPROC does not bind root)",
     )
     sandbox_uids: int = Field(1024, ge=1, description="size of that uid pool (the most workspaces live at once, as root)")
+    sandbox_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="how long a workspace or command waits in the runtime's queue for the host (a free sandbox uid, "
+        "processes, file descriptors, memory) before its start is an infrastructure failure (seconds; 0 = fail at once)",
+    )
     bwrap_path: str = Field("bwrap", description="the bubblewrap executable (a name looked up on PATH, or a path)")
     seccomp: bool = Field(
         True,
