@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "arborl"
 
 # bottom first; each entry is a set of top-level parts of the package (a module or a sub-package)
 LAYERS: list[set[str]] = [
-    {"types", "seeding", "registry", "heap"},  # records and ground-floor helpers
+    {"types", "seeding", "registry", "heap", "failpoints"},  # records and ground-floor helpers
     {"config", "config_paths", "run_config"},  # the one pydantic config tree, its path knobs; a run directory's own config and its changes
     {"prefix", "scheduling", "rewards", "datapool", "report", "envs"},  # prefix tree, scheduling policies, reward math, storage, sandboxes
     {"models"},  # loading, the shared decoder forward

@@ -16,6 +16,11 @@ Immutability: a recorded call never changes. Writing a call id again with the sa
 no-op; with different content it raises :class:`DataPoolConflictError`. Episode rows (status,
 reward, ...) are mutable; their calls are append-only.
 
+The stream ledger (``attempts``, ``stream_groups``, ``trainings``): each start or resume of a training run
+is an attempt (from the checkpoint's step); each group of the task stream has its position, state and
+the attempt that last touched it; each training of an episode is (episode, step, attempt). A training
+survives when no later attempt resumed from a step before it (``datapool/ledger.py`` counts them).
+
 Trainer log-probs: the trainer's per-token log-probs of a call's generated tokens, at the step that
 trained it (``record_trainer_logprobs``), float32 blobs keyed by (call, step) beside the immutable
 call; the trajectory browser shows the rollout/trainer mismatch from them.
@@ -35,7 +40,7 @@ from arborl.types import ArborlError, Call, Episode, EpisodeStatus, InvalidReque
 if TYPE_CHECKING:
     from arborl.config import DataPoolConfig
 
-SCHEMA_VERSION = 2  # 2: trainer_logprobs (a version-1 file gains the table when opened)
+SCHEMA_VERSION = 3  # 2: trainer_logprobs; 3: the stream ledger (attempts, stream_groups, trainings). Older files gain the tables when opened
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
@@ -77,6 +82,29 @@ CREATE TABLE IF NOT EXISTS trainer_logprobs (
     step     INTEGER NOT NULL,
     logprobs BLOB NOT NULL,
     PRIMARY KEY (call_id, step)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt          INTEGER PRIMARY KEY,
+    from_step        INTEGER NOT NULL,
+    discarded_tokens INTEGER NOT NULL DEFAULT 0,
+    started_at       REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS stream_groups (
+    group_id      TEXT PRIMARY KEY,
+    position      INTEGER NOT NULL,
+    task_id       TEXT NOT NULL,
+    start_version INTEGER NOT NULL,
+    state         TEXT NOT NULL,
+    reason        TEXT NOT NULL DEFAULT '',
+    attempt       INTEGER NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS trainings (
+    episode_id TEXT NOT NULL REFERENCES episodes(episode_id),
+    group_id   TEXT NOT NULL,
+    step       INTEGER NOT NULL,
+    attempt    INTEGER NOT NULL,
+    PRIMARY KEY (episode_id, attempt, step)
 );
 CREATE INDEX IF NOT EXISTS episodes_status ON episodes(status);
 CREATE INDEX IF NOT EXISTS episodes_group ON episodes(group_id);
@@ -453,6 +481,62 @@ class DataPool:
                 raise DataPoolNotFoundError(f"episode {episode_id} is not in the data pool")
 
         self._write(tx)
+
+    # ------------------------------------------------------------------ the stream ledger
+
+    def begin_attempt(self, from_step: int, discarded_tokens: int = 0) -> int:
+        """Record a start (``from_step`` 0) or a resume of the run; returns the attempt's number (1, 2, ...)."""
+        def tx(conn: sqlite3.Connection) -> int:
+            last = conn.execute("SELECT COALESCE(MAX(attempt), 0) FROM attempts").fetchone()[0]
+            conn.execute("INSERT INTO attempts VALUES (?, ?, ?, ?)", (last + 1, int(from_step), int(discarded_tokens),
+                                                                     time.time()))
+            return last + 1
+
+        return self._write(tx)
+
+    def attempt(self) -> int:
+        """The latest attempt's number (0 before the first)."""
+        return int(self._read(lambda conn: conn.execute("SELECT COALESCE(MAX(attempt), 0) FROM attempts").fetchone()[0]))
+
+    def record_group(self, group_id: str, *, position: int, task_id: str, start_version: int, state: str,
+                     attempt: int, reason: str = "") -> None:
+        """A group of the task stream started or changed state (running, finished, trained, dropped, cancelled, failed)."""
+        self._write(lambda conn: conn.execute(
+            "INSERT INTO stream_groups VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET "
+            "position = excluded.position, start_version = excluded.start_version, state = excluded.state, "
+            "reason = excluded.reason, attempt = excluded.attempt, updated_at = excluded.updated_at",
+            (group_id, int(position), task_id, int(start_version), state, reason, int(attempt), time.time())))
+
+    def set_group_state(self, group_ids: Iterable[str], state: str, reason: str = "") -> None:
+        ids = list(group_ids)
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for chunk in _chunks(ids, _IN_CHUNK):
+                conn.execute(f"UPDATE stream_groups SET state = ?, reason = ?, updated_at = ? WHERE group_id IN "
+                             f"({', '.join('?' * len(chunk))})", [state, reason, time.time(), *chunk])
+
+        if ids:
+            self._write(tx)
+
+    def record_trainings(self, step: int, attempt: int, episodes: Iterable[tuple[str, str]]) -> None:
+        """Step ``step`` (1-based) of ``attempt`` trained these (episode id, group id)s; their groups are 'trained'."""
+        rows = [(e, g, int(step), int(attempt)) for e, g in episodes]
+
+        def tx(conn: sqlite3.Connection) -> None:
+            conn.executemany("INSERT OR IGNORE INTO trainings VALUES (?, ?, ?, ?)", rows)
+            now = time.time()
+            conn.executemany("UPDATE stream_groups SET state = 'trained', reason = '', updated_at = ? WHERE group_id = ?",
+                             [(now, g) for g in {r[1] for r in rows}])
+
+        self._write(tx)
+
+    def ledger(self) -> dict[str, list[dict[str, Any]]]:
+        """The stream ledger's three tables as rows (dicts), for the exactly-once counts."""
+        def rd(conn: sqlite3.Connection) -> dict[str, list[dict[str, Any]]]:
+            return {t: [dict(r) for r in conn.execute(f"SELECT * FROM {t} ORDER BY rowid")]
+                    for t in ("attempts", "stream_groups", "trainings")}
+
+        return self._read(rd)
 
     def record_trainer_logprobs(self, step: int, logprobs: dict[str, Sequence[float]]) -> None:
         """The trainer's log-probs of each call's generated tokens (call id -> one per completion

@@ -17,6 +17,13 @@ flight while the trainer trains. Each step then
 Tasks are drawn from the suite B at a time (draw k seeded by (run seed, k)); the k-th draw is the
 batch a synchronous step k trains on. Episodes are seeded from (run seed, draw, task, member): a
 resumed run samples exactly what the uninterrupted run would have.
+
+Exactly once across a kill: every group of the task stream is in the data pool's ledger (its stream
+position, state, the attempt), every training of an episode too (step, attempt). A checkpoint keeps the
+stream's position and the consumption policy's open groups (``snapshot``); a resumed controller
+``restore``s them and starts them again, and a training group whose members the data pool already holds
+finished and scored (committed before the kill, by this lineage or a lost one) runs only its missing
+members: committed episodes are trained once, never dropped, never generated twice.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from arborl.agents.served import serve_http, serve_unix
 from arborl.config import Config, JudgeConfig
 from arborl.datapool import DataPool
 from arborl.engine.pool import EnginePool
+from arborl.failpoints import failpoint
 from arborl.gateway.audit import call_drifted
 from arborl.gateway.core import Gateway
 from arborl.rewards.shaping import task_reward
@@ -88,6 +96,10 @@ class Controller:
         self._changed = asyncio.Event()
         self._started = start_step * cfg.rollout.batch_tasks  # the position in the task stream
         self._draws: dict[int, list[Task]] = {}
+        self._open: dict[str, tuple[int, Task]] = {}  # group id -> (stream position, task), until trained or resolved
+        self._restored: list[tuple[str, int, int]] = []  # (group id, position, start version) of restore()
+        self._position: dict[str, int] = {}  # every started group's stream position (a snapshot's open groups)
+        self.attempt = datapool.attempt()  # the ledger's attempt this process is (DataPool.begin_attempt)
         sc = cfg.scheduling
         self.curriculum = Curriculum(sc.curriculum_key, sc.curriculum, sc.curriculum_steps) if sc.curriculum_key else None
         self._step = start_step  # the training step being filled (0-based): the curriculum's clock
@@ -127,14 +139,15 @@ class Controller:
                 self.workers = pool
         return RemoteAgent(self.workers, sampling)
 
-    async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any]) -> Episode:
+    async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any],
+                       metadata: dict[str, Any] | None = None) -> Episode:
         """One episode through the gateway, read back from the data pool and scored. An episode that
         fails for an infrastructure reason is recorded as such (never trained on) and run again, up
         to rollout.infra_retries times, so it does not count as a failure of the policy."""
         for attempt in range(self.cfg.rollout.infra_retries + 1):
             run = await run_agent(self.gateway, await self._agent(sampling), task, group_id=group_id,
                                   timeout_s=self.cfg.rollout.agent_timeout_s,
-                                  metadata={"attempt": attempt} if attempt else None)
+                                  metadata={**(metadata or {}), **({"attempt": attempt} if attempt else {})} or None)
             if not run.infra:
                 break
             self.infra_failures += 1
@@ -160,33 +173,55 @@ class Controller:
 
     async def run_groups(self, tasks: list[Task], group_size: int, *, temperature: float, tag: str) -> list[Episode]:
         """``group_size`` episodes of each task, all at once; group ids are ``tag:task_id``."""
-        r = self.cfg.rollout
-        jobs = []
-        for task in tasks:
-            for member in range(group_size):
-                sampling = {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
-                            "seed": derive_seed(self.cfg.seed, tag, task.task_id, member)}
-                jobs.append(self._episode(task, f"{tag}:{task.task_id}", sampling))
+        jobs = [self._member(task, f"{tag}:{task.task_id}", tag, m, temperature) for task in tasks for m in range(group_size)]
         return list(await asyncio.gather(*jobs))
 
+    def _member(self, task: Task, gid: str, tag: str, member: int, temperature: float,
+                metadata: dict[str, Any] | None = None):
+        r = self.cfg.rollout
+        sampling = {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
+                    "seed": derive_seed(self.cfg.seed, tag, task.task_id, member)}
+        return self._episode(task, gid, sampling, metadata)
+
+    async def _stream_group(self, gid: str, task: Task, tag: str, position: int) -> list[Episode]:
+        """The G episodes of a training group; members the data pool already holds finished and scored
+        (committed before a kill) are read back, not run again."""
+        r = self.cfg.rollout
+        held: dict[int, Episode] = {}
+        for e in await asyncio.to_thread(self.datapool.episodes, group_id=gid):
+            m = e.meta.get("member")
+            if e.reward is not None and isinstance(m, int) and m not in held and e.status != EpisodeStatus.RUNNING:
+                held[m] = e
+        todo = [m for m in range(r.group_size) if m not in held]
+        ran = await asyncio.gather(*(self._member(task, gid, tag, m, r.temperature, {"member": m, "position": position})
+                                     for m in todo))
+        return [held[m] if m in held else ran[todo.index(m)] for m in range(r.group_size)]
+
     # -- groups under the consumption policy ------------------------------------------------------
-    def _next_task(self) -> tuple[Task, int]:
-        """The next task of the stream and the draw it belongs to."""
-        b = self.cfg.rollout.batch_tasks
-        draw, pos = divmod(self._started, b)
+    def _next_task(self) -> tuple[Task, int, int]:
+        """The next task of the stream, the draw it belongs to and its stream position."""
+        position = self._started
         self._started += 1
+        task, draw = self._task_at(position)
+        if (position + 1) % self.cfg.rollout.batch_tasks == 0:
+            self._draws.pop(draw, None)
+        return task, draw, position
+
+    def _task_at(self, position: int) -> tuple[Task, int]:
+        b = self.cfg.rollout.batch_tasks
+        draw, pos = divmod(position, b)
         if draw not in self._draws:
             self._draws[draw] = draw_tasks(self.suite, self.cfg.seed, b, draw)
-        task = self._draws[draw][pos]
-        if pos == b - 1:
-            del self._draws[draw]
-        return task, draw
+        return self._draws[draw][pos], draw
 
     def _fill(self) -> None:
+        restored, self._restored = self._restored, []
+        for gid, position, start_version in restored:  # a checkpoint's open groups, in their order
+            self._launch(gid, self._task_at(position)[0], position, start_version)
         admit = getattr(self.policy, "admit", None)  # a difficulty-aware policy may skip a drawn task
         locked = 0  # tasks in a row the curriculum passed over
         while self.policy.can_start():
-            task, draw = self._next_task()
+            task, draw, position = self._next_task()
             tag = f"step{draw}"
             if self.curriculum is not None and not self.curriculum.admits(task.metadata, self._step):
                 locked += 1
@@ -202,16 +237,23 @@ class Controller:
                 continue
             gid = f"{tag}:{task.task_id}"
             self.policy.on_start(gid)
-            self._running[gid] = asyncio.create_task(self._group(gid, task, tag))
+            self._launch(gid, task, position, self.policy.version)
 
-    async def _group(self, gid: str, task: Task, tag: str) -> None:
-        r = self.cfg.rollout
+    def _launch(self, gid: str, task: Task, position: int, start_version: int) -> None:
+        self._open[gid] = (position, task)
+        self._position[gid] = position
+        self.datapool.record_group(gid, position=position, task_id=task.task_id, start_version=start_version,
+                                   state="running", attempt=self.attempt)
+        self._running[gid] = asyncio.create_task(self._group(gid, task, gid.split(":", 1)[0], position))
+
+    async def _group(self, gid: str, task: Task, tag: str, position: int) -> None:
         try:
-            episodes = await self.run_groups([task], r.group_size, temperature=r.temperature, tag=tag)
+            episodes = await self._stream_group(gid, task, tag, position)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - one group's crash never stops the others
             self.policy.on_fail(gid)
+            self._resolved([gid], "failed")
         else:
             versions = [v for v in (e.min_version() for e in episodes) if v is not None]
             on_rewards = getattr(self.policy, "on_rewards", None)  # per-task difficulty estimates (dynamic)
@@ -219,22 +261,54 @@ class Controller:
                 on_rewards(gid, task.task_id, [e.reward or 0.0 for e in episodes if not e.meta.get("infra_error")])
             self._finished[gid] = episodes
             self.policy.on_finish(gid, min(versions) if versions else None)
+            self.datapool.set_group_state([gid], "finished")
         finally:
             self._running.pop(gid, None)
             self._changed.set()
 
-    def cancel(self, gids) -> None:
+    def cancel(self, gids, reason: str = "") -> None:
         """Stop these groups (their requests are aborted in the engines) and forget their episodes."""
+        gids = list(gids)
         for gid in gids:
             t = self._running.pop(gid, None)
             if t is not None:
                 t.cancel()
             self._finished.pop(gid, None)
+        self._resolved(gids, "cancelled", reason)
+
+    def _resolved(self, gids: list[str], state: str, reason: str = "") -> None:
+        """Groups the consumption policy resolved without training them, into the ledger."""
+        gids = [g for g in gids if self._open.pop(g, None) is not None]
+        if gids:
+            self.datapool.set_group_state(gids, state, reason)
+
+    # -- checkpoint -------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any] | None:
+        """The task stream's state for a checkpoint, between steps (None: the consumption policy keeps none)."""
+        snap = getattr(self.policy, "snapshot", None)
+        if snap is None:
+            return None
+        policy = snap()
+        return {"position": self._started, "policy": policy,
+                "open": {gid: self._position[gid] for gid in (o["item_id"] for o in policy["open"])},
+                "curriculum_skipped": self.curriculum.skipped if self.curriculum is not None else 0}
+
+    def restore(self, snap: dict[str, Any]) -> int:
+        """Continue the task stream of a checkpoint: its position, the policy's state, and its open groups
+        started again (their committed members read back from the data pool). Returns how many."""
+        self._started = snap["position"]
+        if self.curriculum is not None:
+            self.curriculum.skipped = snap.get("curriculum_skipped", 0)
+        starts = {o["item_id"]: o["start_version"] for o in snap["policy"]["open"]}
+        gids = self.policy.restore(snap["policy"])
+        self._restored = [(gid, snap["open"][gid], starts[gid]) for gid in gids]  # started by the first _fill
+        return len(gids)
 
     async def close(self) -> None:
         """Cancel every group still in flight, wait until they are gone, stop the rollout workers."""
         tasks = list(self._running.values())
-        self.cancel(list(self._running))
+        self.cancel(list(self._running), "run ended")
+        self._resolved(list(self._open), "cancelled", "run ended")  # finished, not taken: a checkpoint's snapshot has them
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._exit is not None:
             await self._exit.aclose()
@@ -263,6 +337,7 @@ class Controller:
             state = {**state, **self.mtp.state()}
         self.version += 1
         self.published_bytes = sum(v.nbytes for v in state.values())
+        failpoint("publish")
         await self.engines.update_weights(state, self.version)
         return time.perf_counter() - t0
 
@@ -302,9 +377,10 @@ class Controller:
             dispatcher.record(self.timeline, t0=self.t0, step=step)
         batch = await self._next_batch()
         rollout_s = time.perf_counter() - t0
-        self.cancel(batch.cancel)
+        self.cancel(batch.cancel, "policy")
         for gid in batch.dropped:
             self._finished.pop(gid, None)
+        self._resolved(list(batch.dropped), "dropped", "policy")
         groups = {gid: self._finished.pop(gid) for gid in batch.items}
         episodes = [e for eps in groups.values() for e in eps]
         built, stats = build_samples(episodes, cfg.train.advantage)
@@ -320,14 +396,22 @@ class Controller:
             # no episode in flight (sync consumption): the engines' prefix caches (cleared by the publish anyway) and
             # spare KV rows make way for training; an episode between two turns would want its cached history
             released = await self.engines.release_memory() if not self._running else 0
+            failpoint("train")
             train_metrics = await asyncio.to_thread(self.trainer.train_step, samples)
+            for gid in groups:
+                self._open.pop(gid, None)
+            await asyncio.to_thread(self.datapool.record_trainings, step + 1, self.attempt,
+                                    [(e.episode_id, gid) for gid, eps in groups.items() for e in eps])
             await asyncio.to_thread(self._record_trainer_logprobs, step, built, episodes)
             if self.mtp is not None:
                 train_metrics.update(await asyncio.to_thread(self.mtp.train_step, samples))
             publish_s = await self.publish()
-            self.cancel(self.policy.on_version(self.version))
+            self.cancel(self.policy.on_version(self.version), "policy")
         else:
             self.policy.on_batch_skipped()
+            for gid in groups:  # nothing to learn from them (no sample): resolved all the same
+                self._open.pop(gid, None)
+            self.datapool.set_group_state(list(groups), "dropped", "no samples")
         if self.timeline is not None:
             if dispatcher is None:
                 for gid, eps in groups.items():

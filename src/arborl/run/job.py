@@ -32,6 +32,7 @@ from arborl.cluster.supervise import Supervisor, serve_stop, supervised
 from arborl.config import Config, ConfigError, dump_config
 from arborl.run.controller import Controller
 from arborl.extensions import check_extensions
+from arborl.failpoints import failpoint
 from arborl.models import load_model
 from arborl.report import (
     MetricsLog,
@@ -105,12 +106,14 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     changes: dict[str, tuple[Any, Any]] = {}
     if resume:
         run.check_resumable()
+    from_checkpoint = resume and run.has_checkpoint()  # else a resume starts again at step 0, its committed episodes kept
+    if resume:
         if (run.path / CONFIG_FILE).is_file():
             changes = resume_changes(run.path, cfg)
     elif not overwrite:
         run.check_new()
     suite = make_suite(cfg.rollout)  # data files read, reward file imported and tried: all before the model loads
-    if not resume and cfg.train.sft.files:  # the warm start's transcripts too: a missing file fails here
+    if not from_checkpoint and cfg.train.sft.files:  # the warm start's transcripts too: a missing file fails here
         from arborl.run.sft import read_transcripts
 
         read_transcripts(cfg.train.sft.files)
@@ -124,21 +127,21 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     # LoRA for RL only (train.sft.full_finetune): the warm start trains every weight, the adapters come after it
     lora_after_sft = cfg.train.lora_rank > 0 and cfg.train.sft.full_finetune and bool(
         cfg.train.sft.files or cfg.train.sft.rejection.rounds)
-    if lora_after_sft and resume:  # the adapters of the checkpoint sit on the run's fine-tuned weights
+    if lora_after_sft and from_checkpoint:  # the adapters of the checkpoint sit on the run's fine-tuned weights
         if not (run.sft_checkpoint / "config.json").is_file():
             raise ConfigError(f"{run.path} has no {run.sft_checkpoint.name}: its warm start did not finish, and with "
                               "train.sft.full_finetune the RL adapters need it; start the run again with --overwrite")
         load_model_weights(run.sft_checkpoint, loaded.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
-    first_cfg = cfg.train.model_copy(update={"lora_rank": 0}) if lora_after_sft and not resume else cfg.train
+    first_cfg = cfg.train.model_copy(update={"lora_rank": 0}) if lora_after_sft and not from_checkpoint else cfg.train
     if cfg.cluster.backend == "ray" and cfg.train.parallel.strategy != "none":  # the ranks as Ray actors
         from arborl.cluster.rank_actors import RayRankGroup
 
         trainer = RayRankGroup(loaded.model, cfg.train, cfg.cluster, temperature=r.temperature)
     else:
         trainer = make_trainer(loaded.model, first_cfg, temperature=r.temperature)  # one process or train.parallel's ranks
-    start_step, version, summary_prev = 0, 0, {}
-    if resume:
+    start_step, version, summary_prev, extra, discarded = 0, 0, {}, {}, 0
+    if from_checkpoint:
         extra = load_trainer(run.checkpoint, trainer)
         start_step, summary_prev = extra["step"], extra.get("summary", {})
         version = extra.get("version", start_step)
@@ -157,26 +160,35 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                 record_changes(run.path, changes, start_step)
                 for key, (old, new) in changes.items():
                     _say(console, f"  {key}: {old} -> {new} (recorded in {CHANGES_FILE})")
-                aborted = run.abort_running_episodes()
+                aborted, discarded = run.abort_running_episodes()
                 if aborted:
                     _say(console, f"  marked {plural(aborted, 'episode')} left running by the stopped process as "
-                                  "aborted (they are not trained)")
+                                  f"aborted ({plural(discarded, 'decoded token')} discarded; their groups run them again)")
+                run.remove_stale_saves()
                 metrics.truncate_after(start_step)
-                _say(console, f"resumed from {run.checkpoint} at step {start_step}")
+                _say(console, f"resumed from {run.checkpoint} at step {start_step}" if from_checkpoint else
+                     "resumed at step 0: the run stopped before saving a checkpoint (rollout.checkpoint_every); "
+                     "the episodes it committed are trained, not generated again")
                 if start_step >= r.steps:
                     _say(console, f"the run has done its {plural(r.steps, 'step')}; to train further: --set rollout.steps=N")
 
             # a resumed run's mtp drafter and head trainer continue the checkpoint's head (train/mtp.py)
-            ctl_cfg = resumed_config(cfg, existing_checkpoint(run.checkpoint)) if resume else cfg
+            ctl_cfg = resumed_config(cfg, existing_checkpoint(run.checkpoint)) if from_checkpoint else cfg
             launched, ctl = _controller(ctl_cfg, suite, trainer, serving, loaded, run.path, version, start_step)
             if ctl.mtp is not None and ctl_cfg is not cfg:
                 ctl.mtp.load(existing_checkpoint(run.checkpoint))  # and its optimiser
+            ctl.attempt = ctl.datapool.begin_attempt(start_step, discarded)
+            if extra.get("stream"):  # the task stream where the checkpoint left it, its open groups started again
+                restored = ctl.restore(extra["stream"])
+                if restored:
+                    _say(console, f"  {plural(restored, 'group')} in flight at the checkpoint started again "
+                                  "(members committed since are read back, not generated again)")
             stop = StopRequest()
             if supervised():
                 serve_stop(stop)  # in the trainer actor: the driver passes its Ctrl-C on (cluster/supervise.py)
 
             async def save(done: int, summary: dict[str, Any]) -> None:
-                extra = {"step": done, "version": ctl.version, "summary": dict(summary)}
+                extra = {"step": done, "version": ctl.version, "summary": dict(summary), "stream": ctl.snapshot()}
                 await asyncio.to_thread(save_trainer, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer,
                                         also=ctl.mtp.save if ctl.mtp is not None else None)
 
@@ -192,10 +204,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                 if lora_after_sft:  # RL trains LoRA adapters on the fully fine-tuned weights
                     trainer = ctl.trainer = make_trainer(trainer.policy, cfg.train, temperature=r.temperature)
 
-            warm = sft_warm_start if not resume and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
+            warm = sft_warm_start if not from_checkpoint and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
             try:
                 summary, stopped, last = asyncio.run(_train_loop(
-                    cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if resume else -1,
+                    cfg, ctl, metrics, start_step, summary_prev, save, console, stop, saved=start_step if from_checkpoint else -1,
                     warm=warm))
             finally:
                 launched.close()
@@ -324,6 +336,7 @@ async def _train_loop(cfg: Config, ctl: Controller, metrics: MetricsLog, start_s
                     ev = await ctl.evaluate(r.eval_tasks)
                     metrics.write({"kind": "eval", "step": done, **ev})
                 if done == r.steps or (r.checkpoint_every and done % r.checkpoint_every == 0):
+                    failpoint("step_end")
                     summary["steps"] = done
                     await save(done, summary)
                     saved = done

@@ -106,16 +106,16 @@ class RunDir:
                 f"{self.path} already holds a run ({logged}): continue it with `{resume_command(self.path)}`, "
                 "start it again from scratch with --overwrite (deletes its outputs), or choose another name (--set name=...)")
         raise RunExistsError(
-            f"{self.path} already holds a run without a checkpoint ({logged}): start it again with --overwrite "
-            "(deletes its outputs), or choose another name (--set name=...)")
+            f"{self.path} already holds a run without a checkpoint ({logged}): continue it with "
+            f"`{resume_command(self.path)}` (from step 0, the episodes it committed kept), start it again with "
+            "--overwrite (deletes its outputs), or choose another name (--set name=...)")
 
     def check_resumable(self) -> None:
         if not self.path.is_dir():
             raise NothingToResumeError(f"nothing to resume: {self.path} does not exist (start the run without --resume)")
-        if not self.has_checkpoint():
+        if not self.has_checkpoint() and not (self.path / CONFIG_FILE).is_file():
             raise NothingToResumeError(
-                f"{self.path} has no checkpoint to resume from ({plural(self.logged_steps(), 'step')} logged; the run stopped "
-                "before saving one): start it again by running the same command with --overwrite instead of --resume")
+                f"{self.path} has no run to resume (no checkpoint, no {CONFIG_FILE}): start it without --resume")
 
     def clear(self) -> None:
         """Delete the outputs of an earlier run (only the files arborl writes)."""
@@ -125,13 +125,26 @@ class RunDir:
             elif p.exists():
                 p.unlink()
 
-    def abort_running_episodes(self) -> int:
-        """Mark episodes a dead process left ``running`` as aborted (they are never trained); returns how many."""
+    def abort_running_episodes(self) -> tuple[int, int]:
+        """Mark the episodes a dead process left in flight as aborted (they are never trained; their groups run
+        them again): those still ``running``, and training-group members it finished but had not scored.
+        Returns (how many, the tokens their calls had generated: decoded and discarded)."""
         if not self.datapool_file.is_file():
-            return 0
+            return 0, 0
         with DataPool.from_config(self.path, self.datapool) as pool:
-            stale = pool.episodes(status=EpisodeStatus.RUNNING, with_calls=False)
+            stale = pool.episodes(status=EpisodeStatus.RUNNING)
+            stale += [e for e in pool.episodes(status=[EpisodeStatus.FINISHED, EpisodeStatus.FAILED, EpisodeStatus.ABORTED])
+                      if e.reward is None and "member" in e.meta and not e.meta.get("aborted")]
             for e in stale:
                 pool.update_episode(e.episode_id, status=EpisodeStatus.ABORTED, finished_at=time.time(),
-                                    meta={**e.meta, "aborted": "left running by a process that stopped"})
-        return len(stale)
+                                    meta={**e.meta, "aborted": "in flight when the process stopped"})
+        return len(stale), sum(len(c.completion_token_ids) for e in stale for c in e.calls)
+
+    def remove_stale_saves(self) -> None:
+        """The temporary directory of a checkpoint save that a kill interrupted (the checkpoint before it is
+        intact), and a replaced checkpoint's leftover once the new one is in place."""
+        for tmp in self.path.glob(f".{self.checkpoint.name}.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.checkpoint.is_dir():
+            for old in self.path.glob(f".{self.checkpoint.name}.old-*"):
+                shutil.rmtree(old, ignore_errors=True)

@@ -203,6 +203,29 @@ class _Consume:
         self._forming.append(it.item_id)
         self.counts["trained"] += 1
 
+    # -- checkpoint --------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """What a checkpoint keeps (between steps): the counters and the open items in generation order.
+        The batch just trained is resolved; nothing is forming."""
+        return {"counts": dict(self.counts), "dropped": dict(self.dropped), "max_gap": self.max_gap,
+                "gap_sum": self.gap_sum, "max_lag": self.max_lag,
+                "open": [{"item_id": it.item_id, "start_version": it.start_version} for it in self.open_items()]}
+
+    def restore(self, snap: dict) -> list[str]:
+        """A fresh policy (at the checkpoint's version) takes a snapshot's state; its open items start
+        again, running, in their generation order. Returns their ids."""
+        if self._items:
+            raise ValueError("restore() needs a policy that has started nothing")
+        self.counts.update(snap["counts"])
+        self.dropped.update(snap["dropped"])
+        self.max_gap, self.gap_sum, self.max_lag = snap["max_gap"], snap["gap_sum"], snap["max_lag"]
+        for o in snap["open"]:
+            it = Item(o["item_id"], len(self._by_seq), o["start_version"], min_version=o["start_version"])
+            self._items[it.item_id] = it
+            self._by_seq.append(it)
+            self._open += 1
+        return [o["item_id"] for o in snap["open"]]
+
     # -- read-only views --------------------------------------------------------------------------
     def item(self, item_id: str) -> Item:
         return self._items[item_id]

@@ -72,6 +72,16 @@ class DynamicSampling(SyncConsume):
         """Each task's pass-rate estimate: the mean over its recent groups."""
         return {t: sum(h) / len(h) for t, h in self.history.items() if h}
 
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "started_now": self._started_now,
+                "history": {t: list(h) for t, h in self.history.items()}}
+
+    def restore(self, snap: dict) -> list[str]:
+        self._started_now = snap.get("started_now", 0)
+        for t, h in snap.get("history", {}).items():
+            self.history[t] = deque(h, maxlen=self.skip_after)
+        return super().restore(snap)
+
     # -- the policy --------------------------------------------------------------------------------
     def can_start(self) -> bool:
         return (self._taken == self.version and len(self._forming) + self._open < self._cap

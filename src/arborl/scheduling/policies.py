@@ -40,7 +40,9 @@ class ConsumePolicy(Protocol):
     yes), ``on_finish`` / ``on_fail`` when it ends, ``take_batch`` whenever the trainer is idle and
     ready for its next batch (the answer is trained at ``version``), ``on_version`` when the trainer
     published new weights (returns running items that can never be trained: abort them),
-    ``on_batch_skipped`` when the batch taken was not trained (the version stays)."""
+    ``on_batch_skipped`` when the batch taken was not trained (the version stays). ``snapshot`` (a
+    JSON-able dict, between steps) goes into a checkpoint; a fresh policy at the checkpoint's version
+    ``restore``s it and returns the open items, which the controller starts again."""
 
     name: str
     batch_size: int
@@ -61,6 +63,10 @@ class ConsumePolicy(Protocol):
     def on_batch_skipped(self) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
+
+    def snapshot(self) -> dict: ...
+
+    def restore(self, snap: dict) -> list[str]: ...
 
 
 # -------------------------------------------------------------------------------------- dispatch

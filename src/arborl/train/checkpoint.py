@@ -20,6 +20,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from arborl.failpoints import failpoint
 from arborl.models.hf_dir import WEIGHTS_FILE, save_hf_dir
 from arborl.train.mtp import STATE_FILE as MTP_STATE_FILE
 from arborl.train.trainer import Trainer
@@ -67,6 +68,7 @@ def save_checkpoint(path: str | Path, trainer: Trainer, extra: dict[str, Any] | 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_hf_dir(tmp, plain_state(trainer), trainer.policy, tokenizer)
+    failpoint("save")
     if trainer.cfg.lora_rank > 0:
         adapters = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
         safetensors.torch.save_file(adapters, str(tmp / LORA_FILE))
