@@ -36,7 +36,20 @@ def test_show_prints_a_steps_generations_with_rewards(tmp_path):
     assert last.exit_code == 0 and last.stdout.startswith(f"step 2 of {cfg.run_dir}: 1 episode(s)")
     assert "step1:" in last.stdout
     missing = runner.invoke(app, ["show", str(cfg.run_dir), "--step", "7"])
-    assert missing.exit_code == 2 and "no episodes of step 7" in missing.output and "steps with episodes: 1-2" in missing.output
+    assert missing.exit_code == 2 and "step 7 trained no episodes" in missing.output and "steps that trained: 1-2" in missing.output
+
+
+def test_show_of_an_async_run_shows_what_the_step_trained_not_its_draw(tmp_path):
+    cfg = tiny_cfg(tmp_path, "async", "rollout.steps=3", "scheduling.consume=async_ratio", "scheduling.async_ratio=1")
+    train(cfg)
+    with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
+        led = pool.ledger()
+    for step in (1, 2, 3):
+        trained = {t["episode_id"] for t in led["trainings"] if t["step"] == step}
+        out = CliRunner().invoke(app, ["show", str(cfg.run_dir), "--step", str(step), "--n", "100"])
+        assert out.exit_code == 0, out.output
+        shown = {line.rsplit("episode ", 1)[1] for line in out.stdout.splitlines() if line.startswith("--- task ")}
+        assert shown == trained and len(shown) == 16
 
 
 def test_a_multi_turn_transcript_shows_what_the_environment_added():

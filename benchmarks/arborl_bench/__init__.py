@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "parallel": "arborl_bench.parallel_bench:run",
     "memory": "arborl_bench.memory_bench:run",
     "progress": "arborl_bench.progress_bench:run",
+    "faults": "arborl_bench.faults_bench:run",
 }
 
 

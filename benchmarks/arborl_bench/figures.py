@@ -119,6 +119,16 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("calls_lost", "calls lost", "count", "Ray"),
         _f("ray_vs_local_step_ratio", "step Ray / in-process", "x", "Ray"),
     ],
+    "faults": [
+        _f("kills", "SIGKILLs of an async run, each resumed", "count", "faults"),
+        _f("prompts_skipped", "prompts skipped", "count", "faults"),
+        _f("episodes_trained_twice", "committed episodes trained twice", "count", "faults"),
+        _f("episodes_dropped", "committed episodes dropped", "count", "faults"),
+        _f("fuzz_5xx", "fuzzed OpenAI bodies answered 5xx", "count", "faults"),
+        _f("sandbox_start_failures_256", "start failures, 256 sandboxes at once", "count", "faults"),
+        _f("sandbox_start_p99_ms_256", "sandbox start p99, 256 at once", "ms", "faults"),
+        _f("node_loss_episodes_lost", "committed episodes lost with a node", "count", "faults"),
+    ],
 }
 
 

@@ -45,7 +45,7 @@ def _fail(console: Console, error: BaseException, code: int = 2) -> typer.Exit:
 @app.command()
 def bench(
     name: str = typer.Argument(..., help="benchmark to run: engine, gateway, tree-packing, scheduling, vs-trl, envs, "
-                               "backends, specdec, credit, cluster, parallel, memory (arborl_bench.BENCHMARKS, in benchmarks/); "
+                               "backends, specdec, credit, cluster, parallel, memory, progress, faults (arborl_bench.BENCHMARKS, in benchmarks/); "
                                "all: each of them in its own process, the figures recorded with the machine "
                                "(docs/figures.md); or module:attr / file.py:attr of your own run(quick, console)"),
     quick: bool = typer.Option(False, "--quick", help="smaller workload (minutes, not tens of minutes)"),

@@ -1,6 +1,9 @@
 """``arborl show RUN_DIR [--step N] [--n K]``: what the policy generated at a training step, decoded
 with the run's tokenizer, with each episode's task id, reward and reward components, read from the
-run's data pool. Step N trains the tasks of draw N-1, whose groups are ``step{N-1}:{task_id}``."""
+run's data pool. Step N's episodes are the ones the data pool's ledger says step N trained (in the
+lineage the run's final weights descend from, after kills and resumes; asynchronous consumption trains
+groups of several draws in one step); a data pool without a ledger (an older arborl) falls back to the
+groups of draw N-1, ``step{N-1}:{task_id}``, which a synchronous step trains."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from arborl.datapool import DataPool
+from arborl.datapool.ledger import surviving
 from arborl.models.hf_dir import has_tokenizer
 from arborl.models.loading import load_tokenizer
 from arborl.run_config import run_config
@@ -42,21 +46,48 @@ def _draws(pool: DataPool) -> dict[int, list[str]]:
     return out
 
 
+def _trained(pool: DataPool) -> dict[int, list[str]]:
+    """Step -> the episode ids it trained, from the ledger's surviving trainings."""
+    led = pool.ledger()
+    out: dict[int, list[str]] = {}
+    for t in surviving(led["trainings"], led["attempts"]):
+        out.setdefault(t["step"], []).append(t["episode_id"])
+    return out
+
+
 def pick(pool: DataPool, step: int | None, n: int) -> tuple[int, list[Episode]]:
     """(the step shown, up to ``n`` of its episodes, taken from each group in turn so several tasks show)."""
+    trained = _trained(pool)
+    if trained:
+        step = max(trained) if step is None else step
+        if step not in trained:
+            raise ShowError(f"step {step} trained no episodes in {pool.path}; steps that trained: {_span(list(trained))}")
+        by_group: dict[str, list[Episode]] = {}
+        for eid in trained[step]:
+            e = pool.get_episode(eid)
+            if e is not None:
+                by_group.setdefault(e.group_id, []).append(e)
+        return step, _interleave(list(by_group.values()), n)
     draws = _draws(pool)
     if not draws:
         raise ShowError(f"{pool.path} holds no training episodes yet")
     step = max(draws) + 1 if step is None else step
     if step - 1 not in draws:
-        have = sorted(d + 1 for d in draws)
-        span = f"{have[0]}-{have[-1]}" if have == list(range(have[0], have[-1] + 1)) else ", ".join(map(str, have))
-        raise ShowError(f"no episodes of step {step} in {pool.path}; steps with episodes: {span}")
-    groups = [pool.episodes(group_id=g) for g in draws[step - 1]]
+        raise ShowError(f"no episodes of step {step} in {pool.path}; steps with episodes: {_span([d + 1 for d in draws])}")
+    return step, _interleave([pool.episodes(group_id=g) for g in draws[step - 1]], n)
+
+
+def _span(steps: list[int]) -> str:
+    have = sorted(steps)
+    return f"{have[0]}-{have[-1]}" if have == list(range(have[0], have[-1] + 1)) else ", ".join(map(str, have))
+
+
+def _interleave(groups: list[list[Episode]], n: int) -> list[Episode]:
+    """Up to ``n`` episodes, one from each group in turn, so several tasks show."""
     chosen: list[Episode] = []
-    for i in range(max(map(len, groups))):
+    for i in range(max(map(len, groups), default=0)):
         chosen += [g[i] for g in groups if i < len(g)]
-    return step, chosen[:n]
+    return chosen[:n]
 
 
 def _text(tokenizer: Any, ids: list[int]) -> str:
