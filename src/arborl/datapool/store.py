@@ -138,6 +138,11 @@ class DataPoolNotFoundError(DataPoolError, LookupError):
     """The episode a write refers to is not in the data pool."""
 
 
+class DataPoolFullError(DataPoolError, OSError):
+    """The data pool's disk is full: the write stored nothing, every earlier record is intact, and writes
+    succeed again once space is freed."""
+
+
 class DataPoolSchemaError(DataPoolError):
     """The file's schema version is not one this arborl can read."""
 
@@ -351,9 +356,14 @@ class DataPool:
             try:
                 out = fn(conn, *args)
                 conn.execute("COMMIT")
-            except BaseException:
+            except BaseException as e:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
+                if isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                    raise DataPoolFullError(
+                        f"data pool {self.path}: the disk is full ({e}); this write stored nothing and every earlier "
+                        "record is intact: free space on that filesystem (or move the run directory) and writes "
+                        "succeed again") from e
                 raise
             return out
 
