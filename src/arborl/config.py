@@ -1178,6 +1178,27 @@ class ClusterConfig(Section):
         description="CPUs reserved per rollout worker actor (rollout.workers > 0; agents and sandboxes mostly wait "
         "on the engines; 0 = no reservation, no placement group)",
     )
+    engine_nodes: list[str] = Field(
+        default_factory=list,
+        description="custom Ray resources naming the nodes the engine actors go on (a node started with "
+        "`--resources '{\"NAME\": 1}'`): engine i asks for a sliver of the (i mod len)-th; empty = wherever "
+        "cluster.placement_strategy puts it; on the command line a comma-separated list",
+    )
+    worker_nodes: list[str] = Field(
+        default_factory=list,
+        description="custom Ray resources naming the nodes the rollout worker actors go on (worker i: the (i mod "
+        "len)-th, see cluster.engine_nodes); empty = anywhere",
+    )
+    rank_nodes: list[str] = Field(
+        default_factory=list,
+        description="custom Ray resources naming the nodes the trainer rank actors go on (rank i: the (i mod len)-th, "
+        "see cluster.engine_nodes; torch.distributed's MASTER_ADDR and LOCAL_RANK follow); empty = anywhere",
+    )
+    trainer_node: str | None = Field(
+        None,
+        description="custom Ray resource naming the node the trainer actor goes on (cluster.trainer_restarts > 0; "
+        "see cluster.engine_nodes); unset = anywhere",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the engine bundles"
     )
@@ -1203,6 +1224,11 @@ class ClusterConfig(Section):
         description="prefill/decode disaggregation: the first N engines only prefill prompts, the others decode "
         "from the KV moved to them (0 = colocated: every engine does both)",
     )
+
+    @field_validator("engine_nodes", "worker_nodes", "rank_nodes", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return _comma_list(value)  # --set cluster.rank_nodes=node_a,node_b
 
 
 class SimConfig(Section):

@@ -17,7 +17,7 @@ from typing import Any
 
 from arborl.cluster.actor import EngineActor
 from arborl.cluster.remote import ActorEngine
-from arborl.cluster.session import ClusterError, placed_group, ray_module, remove_pg, start, stop
+from arborl.cluster.session import ClusterError, bundles, placed_group, ray_module, remove_pg, start, stop
 from arborl.cluster.weights import WEIGHT_SYNC, WeightPublisher
 from arborl.config import Config
 
@@ -60,8 +60,8 @@ class RayDeployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c, n = cfg.cluster, cfg.gateway.num_engines
-        self.pg = placed_group(c, engine_bundle(cfg), n, "engines", what="engine",
-                               lower="gateway.num_engines or cluster.engine_cpus / engine_gpus")
+        self.pg = placed_group(c, bundles(engine_bundle(cfg), n, c.engine_nodes), "engines", what="engine",
+                               lower="gateway.num_engines or cluster.engine_cpus / engine_gpus, check cluster.engine_nodes")
         # one copy of the policy in the object store, every actor builds its engine from it
         self._loaded_ref = loaded_ref = ray.put(dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).cpu()))
         remote_cls = ray.remote(EngineActor)

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from arborl.cluster.session import ClusterError, placed_group, ray_module, remove_pg, start, stop
+from arborl.cluster.session import ClusterError, bundles, placed_group, ray_module, remove_pg, start, stop
 from arborl.config import ClusterConfig, TrainConfig
 from arborl.train.ranks import RankGroup, free_port, rank_env, rank_main
 
@@ -96,8 +96,8 @@ class RayRankGroup(RankGroup):
 
         c, n = self.cluster, self.world
         bundle = {"CPU": c.rank_cpus, **({"GPU": c.rank_gpus} if c.rank_gpus else {})}
-        self.pg = placed_group(c, bundle, n, "ranks", what="trainer rank",
-                               lower="train.parallel.ranks or cluster.rank_cpus / rank_gpus")
+        self.pg = placed_group(c, bundles(bundle, n, c.rank_nodes), "ranks", what="trainer rank",
+                               lower="train.parallel.ranks or cluster.rank_cpus / rank_gpus, check cluster.rank_nodes")
         remote_cls = ray.remote(RankActor)
         self.actors = [remote_cls.options(
             num_cpus=c.rank_cpus, num_gpus=c.rank_gpus, max_restarts=0,

@@ -62,22 +62,39 @@ def remove_pg(pg) -> None:  # noqa: ANN001 - a Ray PlacementGroup
         pass
 
 
-def placed_group(cfg: ClusterConfig, bundle: dict[str, float], n: int, kind: str, *, what: str, lower: str):
-    """A placement group of ``n`` copies of ``bundle`` (``cfg.placement_strategy``), placed within
+NODE_SHARE = 0.001  # of a node's custom resource (cluster.*_nodes) one bundle asks for: a thousand fit a node of 1
+
+
+def on_node(names: list[str] | str | None, i: int = 0) -> dict[str, float]:
+    """The custom resource that puts bundle ``i`` on its node (``cluster.engine_nodes`` and the like: the
+    ``i mod len``-th name); empty when no node is named."""
+    if isinstance(names, str):
+        names = [names]
+    return {names[i % len(names)]: NODE_SHARE} if names else {}
+
+
+def bundles(bundle: dict[str, float], n: int, nodes: list[str]) -> list[dict[str, float]]:
+    """``n`` copies of ``bundle``, the i-th asking for its node's resource (``on_node``)."""
+    return [{**bundle, **on_node(nodes, i)} for i in range(n)]
+
+
+def placed_group(cfg: ClusterConfig, bundles: list[dict[str, float]], kind: str, *, what: str, lower: str):
+    """A placement group of ``bundles`` (``cfg.placement_strategy``), placed within
     ``cfg.placement_timeout_s``; otherwise it is removed and a ClusterError says what the cluster has free
     and the knobs to ``lower``."""
     ray = ray_module()
     from ray.util.placement_group import placement_group
 
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.placement_strategy, name=pg_name(kind))
+    pg = placement_group([dict(b) for b in bundles], strategy=cfg.placement_strategy, name=pg_name(kind))
     try:
         ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_pg(pg)
+        shown = bundles[0] if all(b == bundles[0] for b in bundles) else bundles
         raise ClusterError(
-            f"the placement group of {n} {what} bundles {bundle} ({cfg.placement_strategy}) was not placed within "
-            f"cluster.placement_timeout_s={cfg.placement_timeout_s:g} s; the cluster has {ray.available_resources()} "
-            f"free: lower {lower}, or add nodes") from None
+            f"the placement group of {len(bundles)} {what} bundles {shown} ({cfg.placement_strategy}) was not placed "
+            f"within cluster.placement_timeout_s={cfg.placement_timeout_s:g} s; the cluster has "
+            f"{ray.available_resources()} free: lower {lower}, or add nodes") from None
     return pg
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from arborl.cluster.session import ClusterError, ray_module, remove_orphans, start, stop
+from arborl.cluster.session import ClusterError, on_node, ray_module, remove_orphans, start, stop
 from arborl.config import Config
 from arborl.train.ranks import RankError
 from arborl.types import ArborlError
@@ -128,7 +128,8 @@ class Supervisor:
         try:
             while True:
                 self.actor = ray.remote(TrainerActor).options(
-                    name=actor_name(self.cfg, self.restarts), num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_restarts=0,
+                    name=actor_name(self.cfg, self.restarts), num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus,
+                    resources=on_node(c.trainer_node), max_restarts=0,
                     max_concurrency=2).remote()  # ``pid`` answers while ``train`` runs
                 try:
                     self.pids.append(ray.get(self.actor.pid.remote(), timeout=c.placement_timeout_s))

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from arborl.cluster.session import ClusterError, pg_name, ray_module, remove_pg
+from arborl.cluster.session import ClusterError, bundles, pg_name, ray_module, remove_pg
 from arborl.config import ClusterConfig, RolloutConfig
 from arborl.workers.pool import WorkerDiedError
 
@@ -102,9 +102,9 @@ class RayWorkerPool:
         c = self.cluster
         options: dict[str, Any] = {"num_cpus": c.worker_cpus, "max_restarts": c.max_restarts, "max_task_retries": 0,
                                    "max_concurrency": 10000}
-        if c.worker_cpus > 0:
-            self.pg = placement_group([{"CPU": c.worker_cpus} for _ in range(self.n)], strategy=c.placement_strategy,
-                                      name=pg_name("workers"))
+        if c.worker_cpus > 0 or c.worker_nodes:
+            self.pg = placement_group(bundles({"CPU": c.worker_cpus} if c.worker_cpus > 0 else {}, self.n, c.worker_nodes),
+                                      strategy=c.placement_strategy, name=pg_name("workers"))
             try:
                 await asyncio.wait_for(self.pg.ready(), c.placement_timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
@@ -112,7 +112,7 @@ class RayWorkerPool:
                 raise ClusterError(
                     f"the placement group of {self.n} rollout-worker bundles of cluster.worker_cpus={c.worker_cpus:g} "
                     f"was not placed within cluster.placement_timeout_s={c.placement_timeout_s:g} s; the cluster has "
-                    f"{ray.available_resources()} free: lower rollout.workers or cluster.worker_cpus, or add nodes") from None
+                    f"{ray.available_resources()} free: lower rollout.workers or cluster.worker_cpus, check cluster.worker_nodes, or add nodes") from None
         remote_cls = ray.remote(WorkerActor)
         self.actors = [remote_cls.options(
             **options, **({"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)}
