@@ -21,7 +21,7 @@ from arborl.envs.base import InfraError
 from arborl.gateway.core import Gateway
 from arborl.gateway.errors import GatewayError
 from arborl.registry import Registry
-from arborl.types import EpisodeStatus, Task
+from arborl.types import Call, EpisodeStatus, Task
 
 
 @dataclass
@@ -74,10 +74,14 @@ async def run_agent(
     timeout_s: float | None = None,
     stitching: bool | None = None,
     metadata: dict[str, Any] | None = None,
+    replay: list[Call] | None = None,
 ) -> EpisodeRun:
-    """Run ``agent`` on ``task`` in a fresh white-box session; never raises for the agent's errors."""
+    """Run ``agent`` on ``task`` in a fresh white-box session; never raises for the agent's errors.
+    ``replay``: the recorded calls of an interrupted run of this episode, served again from the record
+    while the agent asks the same prompts (``Gateway.create_session``)."""
     info = await gateway.create_session(
-        task_id=task.task_id, group_id=group_id, agent_kind="whitebox", stitching=stitching, metadata=metadata
+        task_id=task.task_id, group_id=group_id, agent_kind="whitebox", stitching=stitching, metadata=metadata,
+        replay=replay,
     )
     client = SessionClient(gateway, info)
     t0 = time.perf_counter()

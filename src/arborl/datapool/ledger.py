@@ -6,14 +6,16 @@ trainings, a correct run has
 
 * ``prompts_skipped`` 0: every stream position up to the last one the final attempt started was
   started, and its group was trained, resolved by the consumption policy's own rule (dropped,
-  cancelled, failed: ``policy_resolved``), or was still in flight when the run ended;
+  cancelled, failed: ``policy_resolved_groups``), taken into a batch without a learning signal
+  (``groups_without_samples``: every reward equal), or was still in flight when the run ended;
 * ``prompts_duplicated`` 0: no group trained at two surviving steps;
 * ``episodes_trained_twice`` 0: no episode in two surviving trainings;
 * ``episodes_dropped`` 0: every episode committed (finished and scored) in a trained or passed-over
   group was trained once.
 
-``decoded_tokens_discarded``: the generated tokens of the episodes in flight at each kill, which the
-resume marked aborted and ran again.
+``decoded_tokens_discarded``: the generated tokens of the episodes in flight at each kill (the resume
+marked them aborted and ran them again) less ``replayed_tokens``, those their re-runs were served from the
+record instead of decoding them again (``Gateway.create_session(replay=...)``).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def exactly_once(pool: DataPool) -> dict[str, Any]:
     positions = {g["position"] for g in groups}
     skipped_groups = [g["group_id"] for g in groups if g["position"] <= end and g["group_id"] not in steps_of
                       and (g["state"] in OPEN_STATES or g["state"] == "trained")]
-    policy_resolved = sum(g["state"] in ("dropped", "cancelled", "failed") and g["reason"] != "run ended"
+    policy_resolved = sum(g["state"] in ("dropped", "cancelled", "failed") and g["reason"] not in ("run ended", "no samples")
                           for g in groups)
+    replayed = sum(len(c.completion_token_ids) for g in groups for e in pool.episodes(group_id=g["group_id"])
+                   for c in e.calls if c.meta.get("replayed_from"))
     committed = [e for g in [*steps_of, *skipped_groups]
                  for e in pool.episodes(group_id=g, status=EpisodeStatus.FINISHED, with_calls=False)
                  if e.reward is not None]
@@ -59,8 +63,10 @@ def exactly_once(pool: DataPool) -> dict[str, Any]:
         "prompts_skipped": sum(1 for p in range(end + 1) if p not in positions) + len(skipped_groups),
         "prompts_duplicated": sum(len(s) > 1 for s in steps_of.values()),
         "policy_resolved_groups": policy_resolved,
+        "groups_without_samples": sum(g["reason"] == "no samples" for g in groups),
         "episodes_trained": len(per_episode),
         "episodes_trained_twice": sum(n > 1 for n in per_episode.values()),
         "episodes_dropped": sum(per_episode[e.episode_id] == 0 for e in committed),
-        "decoded_tokens_discarded": sum(a["discarded_tokens"] for a in attempts),
+        "decoded_tokens_discarded": max(0, sum(a["discarded_tokens"] for a in attempts) - replayed),
+        "replayed_tokens": replayed,
     }

@@ -31,6 +31,7 @@ class GatewayStats:
     aborted: int = 0
     stitched: int = 0
     drift_events: int = 0
+    replayed_tokens: int = 0  # completion tokens served from a record (a resumed episode), not decoded
     started_at: float = field(default_factory=time.time)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -44,7 +45,7 @@ class GatewayStats:
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("requests", "calls_recorded", "errors_4xx", "errors_5xx", "aborted",
-                                              "stitched", "drift_events")}
+                                              "stitched", "drift_events", "replayed_tokens")}
 
 
 class TextCodec:

@@ -39,7 +39,7 @@ from arborl.gateway.sessions import Session, SessionStore, episode_meta, new_key
 from arborl.gateway.stitching import Stitched, message_chain, stitch_chat
 from arborl.prefix import common_prefix_len
 from arborl.train.samples import episode_samples
-from arborl.types import Episode, EpisodeStatus, GenerateRequest, InvalidRequestError, SamplingParams, new_id, to_dict
+from arborl.types import Call, Episode, EpisodeStatus, GenerateRequest, InvalidRequestError, SamplingParams, new_id, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,19 @@ class Gateway:
         metadata: dict[str, Any] | None = None,
         episode_id: str | None = None,
         trust_rewards: bool | None = None,
+        replay: list[Call] | None = None,
     ) -> SessionInfo:
         """A new session = a new running episode in the data pool, with its own agent key and harness key;
-        ``trust_rewards`` (default: the gateway's ``trust_agent_rewards``) lets the agent key post rewards."""
+        ``trust_rewards`` (default: the gateway's ``trust_agent_rewards``) lets the agent key post rewards.
+        ``replay``: calls recorded by an episode a kill interrupted; while the new episode's requests ask
+        exactly their prompts, in order, they are served from the record (no decoding) and recorded again
+        (meta ``replayed_from``), so a resumed episode continues from its recorded tokens."""
         stitch = self.config.stitching if stitching is None else bool(stitching)
         ep = Episode(task_id=task_id, group_id=group_id, agent_kind=agent_kind, meta=episode_meta(metadata or {}, stitch))
         if episode_id:
             ep.episode_id = episode_id
         trusted = self.trust_agent_rewards if trust_rewards is None else bool(trust_rewards)
-        session = Session(episode=ep, stitching=stitch, trust_rewards=trusted)
+        session = Session(episode=ep, stitching=stitch, trust_rewards=trusted, replay=list(replay or []))
         key, harness_key = new_key(), new_key()
         await asyncio.to_thread(self.pool.put_episode, ep)
         self.sessions.add(session, key, harness_key)

@@ -87,6 +87,9 @@ class RequestRun:
         self._final = self.ctx.spawn(self._finalize(producers))
 
     async def _produce(self, job: Choice) -> GenerateResult:
+        replayed = self.session.replayed(job.request.prompt_token_ids) if len(self.choices) == 1 else None
+        if replayed is not None:
+            return self._replay(job, replayed)
         if not self.stream:
             return await self.engine.generate(job.request)
         assert self._queue is not None
@@ -101,6 +104,20 @@ class RequestRun:
             return result
         finally:
             self._queue.put_nowait((job.index, None))
+
+    def _replay(self, job: Choice, call: Call) -> GenerateResult:
+        """A recorded call served again as it was (its tokens, log-probs and versions)."""
+        job.meta["replayed_from"] = call.call_id
+        n = len(call.completion_token_ids)
+        if self._queue is not None:
+            for i, (t, lp, slp, v) in enumerate(zip(call.completion_token_ids, call.logprobs, call.sample_logprobs,
+                                                    call.versions)):
+                self._queue.put_nowait((job.index, TokenEvent(t, lp, slp, v, i)))
+            self._queue.put_nowait((job.index, None))
+        self.ctx.stats.add("replayed_tokens", n)
+        return GenerateResult(job.request.request_id, list(call.prompt_token_ids), list(call.completion_token_ids),
+                              list(call.logprobs), list(call.sample_logprobs), list(call.versions),
+                              FinishReason(call.finish_reason), engine_id="replay")
 
     def abort(self) -> None:
         """The client went away: stop generating; what was generated is still recorded (finish_reason abort)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from arborl.gateway.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from arborl.gateway.stitching import SessionHistory
-from arborl.types import Episode, EpisodeStatus
+from arborl.types import Call, Episode, EpisodeStatus
 
 
 def _digest(key: str) -> str:
@@ -44,6 +44,16 @@ class Session:
     in_flight: int = 0  # requests being served
     last_call_id: str | None = None
     trust_rewards: bool = False  # its agent key may post rewards (rollout.trust_agent_rewards)
+    replay: list[Call] = field(default_factory=list)  # recorded calls to serve again, in order (Gateway.create_session)
+
+    def replayed(self, prompt: list[int]) -> Call | None:
+        """The next recorded call to serve again when ``prompt`` is exactly its prompt; else None, and the
+        rest of the replay is dropped (the conversation went another way)."""
+        with self.lock:
+            if self.replay and list(self.replay[0].prompt_token_ids) == list(prompt):
+                return self.replay.pop(0)
+            self.replay.clear()
+            return None
 
     @property
     def session_id(self) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import resource
 import time
@@ -55,7 +56,7 @@ from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, app
 from arborl.train.mtp import make_mtp_trainer
 from arborl.train.samples import build_samples, call_token_values
 from arborl.train.trainer import Trainer
-from arborl.types import ArborlError, Episode, EpisodeStatus, Sample, Task
+from arborl.types import ArborlError, Call, Episode, EpisodeStatus, Sample, Task
 from arborl.workers import RemoteAgent, WorkerPool
 
 if TYPE_CHECKING:
@@ -140,14 +141,15 @@ class Controller:
         return RemoteAgent(self.workers, sampling)
 
     async def _episode(self, task: Task, group_id: str, sampling: dict[str, Any],
-                       metadata: dict[str, Any] | None = None) -> Episode:
+                       metadata: dict[str, Any] | None = None, replay: list[Call] | None = None) -> Episode:
         """One episode through the gateway, read back from the data pool and scored. An episode that
         fails for an infrastructure reason is recorded as such (never trained on) and run again, up
         to rollout.infra_retries times, so it does not count as a failure of the policy."""
         for attempt in range(self.cfg.rollout.infra_retries + 1):
             run = await run_agent(self.gateway, await self._agent(sampling), task, group_id=group_id,
                                   timeout_s=self.cfg.rollout.agent_timeout_s,
-                                  metadata={**(metadata or {}), **({"attempt": attempt} if attempt else {})} or None)
+                                  metadata={**(metadata or {}), **({"attempt": attempt} if attempt else {})} or None,
+                                  replay=replay if attempt == 0 else None)
             if not run.infra:
                 break
             self.infra_failures += 1
@@ -177,24 +179,45 @@ class Controller:
         return list(await asyncio.gather(*jobs))
 
     def _member(self, task: Task, gid: str, tag: str, member: int, temperature: float,
-                metadata: dict[str, Any] | None = None):
+                metadata: dict[str, Any] | None = None, replay: list[Call] | None = None):
         r = self.cfg.rollout
         sampling = {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
                     "seed": derive_seed(self.cfg.seed, tag, task.task_id, member)}
-        return self._episode(task, gid, sampling, metadata)
+        return self._episode(task, gid, sampling, metadata, replay)
+
+    def _replayable(self, interrupted: Episode | None) -> list[Call]:
+        """The calls of a member a kill interrupted that its re-run may be served from: the first ones whose
+        tokens are at most the consumption's version bound behind the trainer (any, under sync: the policy
+        is the checkpoint's, the one that generated them)."""
+        if interrupted is None:
+            return []
+        sc = self.cfg.scheduling
+        bound = sc.max_version_gap if sc.max_version_gap is not None else (
+            0 if sc.consume in ("sync", "dynamic") else math.ceil(sc.async_ratio - 1e-9))
+        calls = []
+        for c in interrupted.calls:
+            if not c.versions or self.version - min(c.versions) > bound:
+                break
+            calls.append(c)
+        return calls
 
     async def _stream_group(self, gid: str, task: Task, tag: str, position: int) -> list[Episode]:
         """The G episodes of a training group; members the data pool already holds finished and scored
         (committed before a kill) are read back, not run again."""
         r = self.cfg.rollout
         held: dict[int, Episode] = {}
+        interrupted: dict[int, Episode] = {}  # the latest run of a member a kill cut short (its calls recorded)
         for e in await asyncio.to_thread(self.datapool.episodes, group_id=gid):
             m = e.meta.get("member")
-            if e.reward is not None and isinstance(m, int) and m not in held and e.status != EpisodeStatus.RUNNING:
+            if not isinstance(m, int) or e.status == EpisodeStatus.RUNNING:
+                continue
+            if e.reward is not None and m not in held:
                 held[m] = e
+            elif e.reward is None and e.meta.get("aborted") and e.calls:
+                interrupted[m] = e
         todo = [m for m in range(r.group_size) if m not in held]
-        ran = await asyncio.gather(*(self._member(task, gid, tag, m, r.temperature, {"member": m, "position": position})
-                                     for m in todo))
+        ran = await asyncio.gather(*(self._member(task, gid, tag, m, r.temperature, {"member": m, "position": position},
+                                                  self._replayable(interrupted.get(m))) for m in todo))
         return [held[m] if m in held else ran[todo.index(m)] for m in range(r.group_size)]
 
     # -- groups under the consumption policy ------------------------------------------------------
