@@ -202,12 +202,13 @@ class Controller:
         return calls
 
     async def _stream_group(self, gid: str, task: Task, tag: str, position: int) -> list[Episode]:
-        """The G episodes of a training group; members the data pool already holds finished and scored
-        (committed before a kill) are read back, not run again."""
+        """The G episodes of a training group; in a resumed run (attempt 2 on), members the data pool already
+        holds finished and scored (committed before a kill) are read back, not run again."""
         r = self.cfg.rollout
         held: dict[int, Episode] = {}
         interrupted: dict[int, Episode] = {}  # the latest run of a member a kill cut short (its calls recorded)
-        for e in await asyncio.to_thread(self.datapool.episodes, group_id=gid):
+        earlier = await asyncio.to_thread(self.datapool.episodes, group_id=gid) if self.attempt > 1 else []
+        for e in earlier:
             m = e.meta.get("member")
             if not isinstance(m, int) or e.status == EpisodeStatus.RUNNING:
                 continue
