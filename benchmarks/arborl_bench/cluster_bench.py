@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from arborl.run.assemble import build_gateway
 from arborl.cluster import disaggregate
@@ -50,6 +49,7 @@ from arborl.models import load_model
 from arborl.tasks import make_suite
 from arborl.train.trainer import Trainer
 from arborl.types import GenerateRequest, SamplingParams
+from arborl_bench.figures import figure_table
 
 TINY = ["seed=3", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
         "engine.max_seq_len=1024", "engine.max_batch_size=16", "rollout.task=even_tokens", "rollout.batch_tasks=4",
@@ -346,10 +346,5 @@ def run(quick: bool, console: Console) -> dict[str, Any]:
         "ray_init_s": round(init_s, 2),
         "quick": quick,
     }
-    table = Table(title="arborl bench cluster (local Ray cluster)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k, v in result.items():
-        table.add_row(k, str(v))
-    console.print(table)
+    console.print(figure_table("arborl bench cluster (local Ray cluster)", result))
     return result

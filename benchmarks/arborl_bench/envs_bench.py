@@ -40,7 +40,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from arborl.config import EnvsConfig
 from arborl.envs import make_runtime
@@ -48,6 +47,7 @@ from arborl.envs.bwrap import check_bwrap
 from arborl.envs.leftovers import leftovers, shm_files
 from arborl_bench.escapes import run_escapes
 from arborl.envs.workspace import copy_tree, copy_with_cp, mount_tmpfs, remove_tree, unmount
+from arborl_bench.figures import figure_table
 
 CONCURRENCY = 16
 SWEEP = (16, 64, 256)
@@ -392,10 +392,5 @@ def run(quick: bool, console: Console) -> dict:
         t0 = time.perf_counter()
         results.update(section(quick, console))
         console.print(f"[dim]{section.__name__}: {time.perf_counter() - t0:.1f}s[/dim]")
-    table = Table(title="arborl bench envs" + (" (quick)" if quick else ""))
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k, v in results.items():
-        table.add_row(k, str(v))
-    console.print(table)
+    console.print(figure_table("arborl bench envs" + (" (quick)" if quick else ""), results))
     return results

@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.table import Table
 
 from arborl.datapool import DataPool
 from arborl.datapool.ledger import exactly_once
 from arborl.failpoints import ENV as FAILPOINTS
+from arborl_bench.figures import figure_table
 
 POINTS = ("train", "publish", "step_end", "save")
 TINY = ["seed=3", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
@@ -76,7 +76,7 @@ def _attempt(cmd: list[str], rng: random.Random, how: str, timeout_s: float) -> 
 
 
 def section_kills(quick: bool, console: Console, work: Path) -> dict[str, Any]:
-    kills, steps = (4, 6) if quick else (10, 12)
+    kills, steps = (4, 8) if quick else (10, 30)
     rng = random.Random(49)
     ref = work / "ref"
     code = _attempt(_arborl("train", *_sets([f"runs_dir={work}", "name=ref", f"rollout.steps={steps}", *TINY])), rng, "none", 900)
@@ -85,18 +85,19 @@ def section_kills(quick: bool, console: Console, work: Path) -> dict[str, Any]:
     run = work / "k"
     first = _arborl("train", *_sets([f"runs_dir={work}", "name=k", f"rollout.steps={steps}", *TINY]))
     resume = _arborl("train", "--resume", str(run))
-    killed, t0 = 0, time.perf_counter()
-    for i in range(kills):
-        code = _attempt(first if i == 0 else resume, rng, "failpoint" if i % 2 else "outside", 900)
+    killed, attempts, finished, t0 = 0, 0, False, time.perf_counter()
+    while killed < kills:
+        started = (run / "config.yaml").exists()  # a kill before the run wrote anything: start it again
+        code = _attempt(resume if started else first, rng, "failpoint" if killed % 2 else "outside", 900)
+        attempts += 1
         if code == 0:
-            break  # the run finished before this kill landed
-        if code == -signal.SIGKILL:
-            killed += 1
-        elif code != 0:
-            raise RuntimeError(f"attempt {i + 1} exited {code}")
-    code = _attempt(resume if killed or (run / "checkpoint").exists() else first, rng, "none", 900)
-    if code != 0:
-        raise RuntimeError(f"the last resume exited {code}")
+            finished = True  # the run ended before this kill landed
+            break
+        if code != -signal.SIGKILL:
+            raise RuntimeError(f"attempt {attempts} exited {code}")
+        killed += 1
+    if not finished and _attempt(resume if (run / "config.yaml").exists() else first, rng, "none", 900) != 0:
+        raise RuntimeError("the last resume failed")
     with DataPool(run / "datapool.sqlite") as pool, DataPool(ref / "datapool.sqlite") as ref_pool:
         counts, reference = exactly_once(pool), exactly_once(ref_pool)
     console.print(f"kills: {killed} SIGKILLs, {time.perf_counter() - t0:.0f} s; {json.dumps(counts)}")
@@ -178,12 +179,8 @@ def run(quick: bool, console: Console) -> dict[str, Any]:
         out.update(section_fuzz(quick, console, work))
     out.update(section_sandboxes(quick, console))
     out.update(section_node_loss(quick, console))
-    table = Table(title="arborl bench faults")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k in ("kills", "prompts_skipped", "prompts_duplicated", "episodes_trained_twice", "episodes_dropped",
-              "decoded_tokens_discarded", "fuzz_5xx", "poison_others_finished", "sandbox_start_failures_256",
-              "sandbox_start_p99_ms_256", "sandbox_leftovers", "node_loss_episodes_lost", "node_loss_run_finished"):
-        table.add_row(k, str(out.get(k)))
-    console.print(table)
+    console.print(figure_table("arborl bench faults", out, (
+        "kills", "prompts_skipped", "prompts_duplicated", "episodes_trained_twice", "episodes_dropped",
+        "decoded_tokens_discarded", "replayed_tokens", "fuzz_5xx", "poison_others_finished", "sandbox_start_failures_256",
+        "sandbox_start_p99_ms_256", "sandbox_leftovers", "node_loss_episodes_lost", "node_loss_run_finished")))
     return out

@@ -9,8 +9,11 @@ value of each, their median and their spread, (max - min) / median.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from rich.table import Table
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,16 @@ HEADLINES: dict[str, list[Figure]] = {
         _f("node_loss_episodes_lost", "committed episodes lost with a node", "count", "faults"),
     ],
 }
+
+
+def figure_table(title: str, figures: dict[str, Any], keys: Iterable[str] | None = None) -> Table:
+    """A benchmark's figures as a two-column table (``keys``: these, in this order; default every one)."""
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k in keys if keys is not None else figures:
+        table.add_row(k, str(figures.get(k)))
+    return table
 
 
 def lookup(output: dict[str, Any], path: tuple[str, ...]) -> float | None:

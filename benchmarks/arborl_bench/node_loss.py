@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from arborl_bench import hold_agent
+from arborl_bench.figures import figure_table
 
 TINY = ["seed=3", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
         "engine.max_seq_len=512", "engine.max_batch_size=16", "rollout.task=even_tokens", "rollout.batch_tasks=4",
@@ -198,10 +198,5 @@ def run_node_loss(quick: bool, console: Console, work: Path | None = None) -> di
             "node_loss_steps": steps,
             "node_loss_s": round(time.perf_counter() - t0, 1),
         })
-    table = Table(title="node loss (multi-node Ray cluster on one host)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k, v in out.items():
-        table.add_row(k, str(v))
-    console.print(table)
+    console.print(figure_table("node loss (multi-node Ray cluster on one host)", out))
     return out

@@ -123,7 +123,9 @@ class Controller:
         async with self._workers_lock:
             if self.workers is None:
                 self._exit = contextlib.AsyncExitStack()
-                base_url = await self._exit.enter_async_context(serve_http(self.gateway))
+                # Ray's rollout workers may run on other machines: the gateway listens on this node's address
+                host = _node_address() if self.cfg.cluster.backend == "ray" else "127.0.0.1"
+                base_url = await self._exit.enter_async_context(serve_http(self.gateway, host))
                 unix_socket = await self._exit.enter_async_context(serve_unix(self.gateway))
                 if self.cfg.cluster.backend == "ray":  # rollout workers as Ray actors (cluster/workers.py)
                     from arborl.cluster.workers import RayWorkerPool
@@ -507,6 +509,12 @@ class Controller:
             "eval_tool_use": tool_use(episodes),
             "eval_s": time.perf_counter() - t0,
         }
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def tool_use(episodes: list[Episode]) -> float:
