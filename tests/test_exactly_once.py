@@ -41,7 +41,7 @@ def test_an_async_run_killed_at_every_named_moment_trains_each_prompt_and_episod
     agent = signal_agent.install(tmp_path / "agent", "KILL", at=30)
     cfg = overrides(tmp_path, "k", f"rollout.steps={STEPS}", f"rollout.batch_tasks={TASKS}", f"rollout.group_size={GROUP}",
                     "rollout.checkpoint_every=1", f"scheduling.consume={consume}", "scheduling.async_ratio=1",
-                    "rollout.task=chain_tokens", agent)
+                    "rollout.task=chain_tokens", "rollout.max_idle_steps=0", agent)
     code, out = _run(arborl_cmd("train", *set_args(cfg)))
     assert code == -signal.SIGKILL, out
     resume = arborl_cmd("train", "--resume", str(run))

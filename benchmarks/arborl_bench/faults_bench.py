@@ -44,7 +44,7 @@ TINY = ["seed=3", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.ti
         "engine.max_seq_len=512", "engine.max_batch_size=16", "rollout.task=chain_tokens", "rollout.batch_tasks=4",
         "rollout.group_size=4", "rollout.max_tokens=8", "rollout.eval_tasks=0", "train.lr=0.1",
         "scheduling.timeline=false", "rollout.checkpoint_every=1", "scheduling.consume=async_ratio",
-        "scheduling.async_ratio=1", "report.curves=false"]
+        "scheduling.async_ratio=1", "report.curves=false", "rollout.max_idle_steps=0"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
