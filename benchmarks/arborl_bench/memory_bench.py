@@ -172,7 +172,7 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
     from arborl.config import load_config
     from arborl.engine.engine import LLMEngine
     from arborl.models import load_model
-    from arborl.train.ranks import make_trainer
+    from arborl.run.assemble import make_trainer
     from arborl.train.sft import sft_epochs, sft_mode
 
     before = variant == "before"

@@ -1,6 +1,6 @@
-"""Building the serving side from a config: model, engine replicas in an engine pool, the run's data
-pool and the gateway over them (what ``arborl train``, ``arborl serve``, ``arborl eval`` and the
-benchmarks run on)."""
+"""Building a run's parts from a config: the serving side (model, engine replicas in an engine pool, the
+run's data pool and the gateway over them: what ``arborl train``, ``arborl serve``, ``arborl eval`` and
+the benchmarks run on) and the trainer of the kind the config names."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any
 
 from arborl.cluster import disaggregate
 from arborl.cluster.deploy import RayDeployment
-from arborl.config import Config
+from arborl.config import ClusterConfig, Config, TrainConfig
 from arborl.datapool import DataPool
 from arborl.engine.backends import build_engines
 from arborl.engine.pool import EnginePool
 from arborl.gateway.core import Gateway
 from arborl.models import LoadedModel, load_model
+from arborl.train.face import TrainerFace
 
 
 @dataclass
@@ -60,3 +61,28 @@ def build_gateway(
     gateway = Gateway(pool, datapool=datapool, tokenizer=loaded.tokenizer, model_name=loaded.name, config=cfg.gateway,
                       trust_agent_rewards=cfg.rollout.trust_agent_rewards)
     return Assembled(gateway, pool, datapool, loaded, cluster)
+
+
+def trainer_class(train: TrainConfig, cluster: ClusterConfig | None = None) -> type:
+    """The kind of trainer the config names: one process (``train.parallel.strategy=none``), ranks as
+    subprocesses (ddp / fsdp2), or ranks as Ray actors (those with ``cluster.backend=ray``)."""
+    if train.parallel.strategy == "none":
+        from arborl.train.trainer import Trainer
+
+        return Trainer
+    if cluster is not None and cluster.backend == "ray":
+        from arborl.cluster.rank_actors import RayRankGroup
+
+        return RayRankGroup
+    from arborl.train.ranks import RankGroup
+
+    return RankGroup
+
+
+def make_trainer(model: Any, train: TrainConfig, cluster: ClusterConfig | None = None, *,
+                 temperature: float = 1.0) -> TrainerFace:
+    """The run's trainer, of the kind ``trainer_class`` picks; ``model``: the policy module."""
+    kind = trainer_class(train, cluster)
+    if cluster is not None and cluster.backend == "ray" and train.parallel.strategy != "none":
+        return kind(model, train, cluster, temperature=temperature)
+    return kind(model, train, temperature=temperature)

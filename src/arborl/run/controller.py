@@ -55,7 +55,7 @@ from arborl.tasks import TaskSuite
 from arborl.tasks.judge import GatewayJudgeClient, Judge, OpenAIJudgeClient, apply_verdict
 from arborl.train.mtp import make_mtp_trainer
 from arborl.train.samples import build_samples, call_token_values
-from arborl.train.trainer import Trainer
+from arborl.train.face import TrainerFace
 from arborl.types import ArborlError, Call, Episode, EpisodeStatus, Sample, Task
 from arborl.workers import RemoteAgent, WorkerPool
 
@@ -74,7 +74,7 @@ class Controller:
         gateway: Gateway,
         engines: EnginePool,
         datapool: DataPool,
-        trainer: Trainer | None,
+        trainer: TrainerFace | None,
         suite: TaskSuite,
         *,
         version: int = 0,
@@ -372,10 +372,9 @@ class Controller:
         that serve adapters, the adapters alone once this trainer's base is there (its base with them the first
         time: a new trainer -- after a full fine-tuning warm start, on resume -- brings a new base); else
         the whole policy, adapters merged in."""
-        adapters = getattr(self.trainer, "adapter_state", None)
-        if self.cfg.train.lora_sync != "adapters" or adapters is None or not self.engines.serves_adapters:
+        if self.cfg.train.lora_sync != "adapters" or not self.engines.serves_adapters:
             return self.trainer.engine_state()
-        state = adapters()
+        state = self.trainer.adapter_state()
         if state is None:  # no LoRA, or an adapted module the engines cannot serve as an adapter (Conv1D)
             return self.trainer.engine_state()
         if self._base_of is not self.trainer:
@@ -387,7 +386,7 @@ class Controller:
         """The trainer's per-token log-probs of the step's calls into the data pool, keyed by call and
         step (1-based, as in metrics.jsonl): the trajectory browser's rollout/trainer mismatch. A trainer
         without them (train.parallel's ranks) records none."""
-        per_sample = getattr(self.trainer, "step_logprobs", None)
+        per_sample = self.trainer.step_logprobs
         if per_sample:
             self.datapool.record_trainer_logprobs(
                 step + 1, call_token_values(samples, episodes, {i: lp.tolist() for i, lp in per_sample.items()}))

@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from arborl.run.assemble import build_gateway
+from arborl.run.assemble import build_gateway, make_trainer
 from arborl.cluster.supervise import Supervisor, serve_stop, supervised
 from arborl.config import Config, ConfigError, dump_config
 from arborl.run.controller import Controller
@@ -52,7 +52,7 @@ from arborl.tasks import ConfiguredSuite, make_suite
 from arborl.models.hf_dir import save_hf_dir
 from arborl.train.checkpoint import existing_checkpoint, load_model_weights, plain_state
 from arborl.train.mtp import resumed_config
-from arborl.train.ranks import close_trainer, load_trainer, make_trainer, save_trainer
+from arborl.train.face import TrainerFace
 from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
 
@@ -65,7 +65,7 @@ class TokenDriftError(ArborlError):
     """The run stopped because too many of its calls drifted (gateway.max_drift_rate)."""
 
 
-def _controller(cfg: Config, suite: ConfiguredSuite, trainer: Trainer | None, serving_model, loaded, run_dir: Path,
+def _controller(cfg: Config, suite: ConfiguredSuite, trainer: TrainerFace | None, serving_model, loaded, run_dir: Path,
                 version: int = 0, start_step: int = 0):
     """Gateway + engines serving ``serving_model`` (never the trainer's own module) as policy
     ``version``, and the controller around them."""
@@ -134,15 +134,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         load_model_weights(run.sft_checkpoint, loaded.model)
     serving = copy.deepcopy(loaded.model)  # the engines' copy: plain names even when training LoRA
     first_cfg = cfg.train.model_copy(update={"lora_rank": 0}) if lora_after_sft and not from_checkpoint else cfg.train
-    if cfg.cluster.backend == "ray" and cfg.train.parallel.strategy != "none":  # the ranks as Ray actors
-        from arborl.cluster.rank_actors import RayRankGroup
-
-        trainer = RayRankGroup(loaded.model, cfg.train, cfg.cluster, temperature=r.temperature)
-    else:
-        trainer = make_trainer(loaded.model, first_cfg, temperature=r.temperature)  # one process or train.parallel's ranks
+    trainer = make_trainer(loaded.model, first_cfg, cfg.cluster, temperature=r.temperature)  # one process or ranks
     start_step, version, summary_prev, extra, discarded = 0, 0, {}, {}, 0
     if from_checkpoint:
-        extra = load_trainer(run.checkpoint, trainer)
+        extra = trainer.load(run.checkpoint)
         start_step, summary_prev = extra["step"], extra.get("summary", {})
         version = extra.get("version", start_step)
         serving.load_state_dict(trainer.engine_state())
@@ -189,7 +184,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
 
             async def save(done: int, summary: dict[str, Any]) -> None:
                 extra = {"step": done, "version": ctl.version, "summary": dict(summary), "stream": ctl.snapshot()}
-                await asyncio.to_thread(save_trainer, run.checkpoint, trainer, extra, tokenizer=loaded.tokenizer,
+                await asyncio.to_thread(trainer.save, run.checkpoint, extra, tokenizer=loaded.tokenizer,
                                         also=ctl.mtp.save if ctl.mtp is not None else None)
 
             async def sft_warm_start(summary: dict[str, Any]) -> None:
@@ -202,7 +197,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                                         loaded.tokenizer)
                 summary["sft_checkpoint"] = str(run.sft_checkpoint)
                 if lora_after_sft:  # RL trains LoRA adapters on the fully fine-tuned weights
-                    trainer = ctl.trainer = make_trainer(trainer.policy, cfg.train, temperature=r.temperature)
+                    trainer = ctl.trainer = make_trainer(trainer.policy, cfg.train, cfg.cluster, temperature=r.temperature)
 
             warm = sft_warm_start if not from_checkpoint and (cfg.train.sft.files or cfg.train.sft.rejection.rounds) else None
             try:
@@ -211,7 +206,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                     warm=warm))
             finally:
                 launched.close()
-                close_trainer(trainer)
+                trainer.close()
                 suite.shutdown()
     summary["wall_s"] = round(time.perf_counter() - t_start + summary_prev.get("wall_s", 0.0), 1)
     if stopped:

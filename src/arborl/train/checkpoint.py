@@ -23,8 +23,9 @@ import torch
 from arborl.failpoints import failpoint
 from arborl.models.hf_dir import WEIGHTS_FILE, save_hf_dir
 from arborl.train.mtp import STATE_FILE as MTP_STATE_FILE
-from arborl.train.trainer import Trainer
 from arborl.types import ArborlError
+
+OneProcessTrainer = Any  # train.trainer.Trainer (not imported: Trainer.save / load call into this module)
 
 LORA_FILE = "lora.safetensors"
 REF_FILE = "ref.safetensors"
@@ -52,13 +53,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def plain_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+def plain_state(trainer: OneProcessTrainer) -> dict[str, torch.Tensor]:
     """The policy under the plain model's parameter names: the model's own state without LoRA (no
     copy), the merged weights with it."""
     return trainer.model.state_dict() if trainer.cfg.lora_rank == 0 else trainer.engine_state()
 
 
-def save_checkpoint(path: str | Path, trainer: Trainer, extra: dict[str, Any] | None = None, *,
+def save_checkpoint(path: str | Path, trainer: OneProcessTrainer, extra: dict[str, Any] | None = None, *,
                     tokenizer: Any = None, also: Callable[[Path], None] | None = None) -> Path:
     """Write the checkpoint (an HF directory with ``tokenizer``'s files, plus the trainer's state);
     ``also(directory)`` writes more into it before it is renamed into place (the MTP head's trainer)."""
@@ -97,7 +98,7 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, filename: str =
         raise CheckpointError(f"{f} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_trainer_weights(path: str | Path, trainer: Trainer) -> None:
+def load_trainer_weights(path: str | Path, trainer: OneProcessTrainer) -> None:
     """The policy's weights into ``trainer``: under LoRA its adapters (the base model is the run's
     source, unchanged), else the plain weights."""
     path = Path(path)
@@ -128,7 +129,7 @@ def _existing(path: Path) -> Path:
     return olds[-1] if olds else path
 
 
-def load_checkpoint(path: str | Path, trainer: Trainer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, trainer: OneProcessTrainer) -> dict[str, Any]:
     """Restore ``trainer`` (weights, optimiser, step, RNGs) and return the saved ``extra``."""
     path = _existing(Path(path))
     load_trainer_weights(path, trainer)

@@ -230,6 +230,18 @@ class RankGroup:
         return None
 
     @property
+    def step_logprobs(self) -> dict[int, torch.Tensor]:
+        """The ranks keep the step's log-probs: none here."""
+        return {}
+
+    def adapter_state(self) -> None:
+        """The ranks publish merged weights (``engine_state``)."""
+        return None
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        return self.engine_state()
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
@@ -291,13 +303,19 @@ class RankGroup:
         """Per rank: bytes of parameters, gradients and optimiser state it holds."""
         return self._call("state_bytes")
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None) -> Path:
-        """A sharded checkpoint (torch.distributed.checkpoint) that is also an HF directory."""
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
+             also: Callable[[Path], None] | None = None) -> Path:
+        """A sharded checkpoint (torch.distributed.checkpoint) that is also an HF directory; ``also(dir)``
+        writes more into it."""
         self._call("save", str(path), extra or {}, tokenizer)
+        if also is not None:
+            also(Path(path))
         return Path(path)
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        extra, self.step = self._call("load", str(path))[0]
+        from arborl.train.checkpoint import existing_checkpoint
+
+        extra, self.step = self._call("load", str(existing_checkpoint(path)))[0]
         return extra
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -403,45 +421,3 @@ def rank_main() -> None:
 
 if __name__ == "__main__":
     rank_main()
-
-
-# --------------------------------------------------------------------------- the job's view
-
-
-def make_trainer(model: nn.Module, cfg: TrainConfig, *, temperature: float = 1.0) -> Any:
-    """The run's trainer: one process (``Trainer``), or a :class:`RankGroup` with train.parallel.strategy
-    ddp / fsdp2."""
-    from arborl.train.trainer import Trainer
-
-    if cfg.parallel.strategy == "none":
-        return Trainer(model, cfg, temperature=temperature)
-    return RankGroup(model, cfg, temperature=temperature)
-
-
-def save_trainer(path: str | Path, trainer: Any, extra: dict[str, Any], *, tokenizer: Any = None,
-                 also: Callable[[Path], None] | None = None) -> Path:
-    """A checkpoint of either kind of trainer (sharded for a rank group; both are HF directories);
-    ``also(directory)`` writes more into it (the MTP head's trainer, train/mtp.py)."""
-    if isinstance(trainer, RankGroup):
-        out = trainer.save(path, extra, tokenizer=tokenizer)
-        if also is not None:
-            also(out)
-        return out
-    from arborl.train.checkpoint import save_checkpoint
-
-    return save_checkpoint(path, trainer, extra, tokenizer=tokenizer, also=also)
-
-
-def load_trainer(path: str | Path, trainer: Any) -> dict[str, Any]:
-    if isinstance(trainer, RankGroup):
-        from arborl.train.checkpoint import existing_checkpoint
-
-        return trainer.load(existing_checkpoint(path))
-    from arborl.train.checkpoint import load_checkpoint
-
-    return load_checkpoint(path, trainer)
-
-
-def close_trainer(trainer: Any) -> None:
-    if isinstance(trainer, RankGroup):
-        trainer.close()

@@ -38,6 +38,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -444,6 +446,21 @@ class Trainer:
         for name, ad in adapters.items():
             out.update(adapter_entries(_plain_name(name), Adapter(ad.a.clone(), ad.b.clone(), ad.scale)))
         return out
+
+    # -- checkpoints (the TrainerFace) ------------------------------------------------------------
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
+             also: Callable[[Path], None] | None = None) -> Path:
+        from arborl.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(path, self, extra, tokenizer=tokenizer, also=also)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        from arborl.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self)
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's."""
 
     @torch.no_grad()
     def base_state(self) -> dict[str, torch.Tensor]:
