@@ -1,9 +1,11 @@
 """The engine loop (synchronous core): admit, prefill with prefix reuse, decode the running batch.
 
-Continuous batching: every ``step()`` admits waiting requests into free slots (highest priority
-first), prefills them -- skipping the longest prefix whose KV is cached -- and then decodes one
-token for every running sequence. Finished sequences leave at once and their KV goes to the prefix
-cache. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
+Continuous batching: every ``step()`` admits waiting requests into free slots (which ones: the
+scheduler, ``engine/scheduler.py``), prefills them -- skipping the longest prefix whose KV is cached --
+and then decodes one token for every running sequence. Every generated token, sampled or verified,
+takes one path (``_emit``: append, stop rules, the request's callback). Finished sequences leave at once
+and their KV goes to the prefix cache; a request whose own step fails (non-finite logits, a raising stop
+rule or callback) leaves alone. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
 recomputed under the new weights, and every token is stamped with the version that produced it.
 
 With ``engine.spec.enabled`` a decode step may instead verify drafts (``engine/spec``): one forward
@@ -13,10 +15,8 @@ draft tokens is dropped by not counting it (``kv_len``), and later writes overwr
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,51 +26,16 @@ from arborl.engine.face import EngineLimits, StopRules
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
+from arborl.engine.scheduler import Scheduler
 from arborl.engine.sequence import Sequence, SeqState
+from arborl.engine.stats import EngineStats
 from arborl.engine.spec import Draft, SpecDecoder
 from arborl.engine.spec.verify import accept_all
 from arborl.heap import release_free_memory
-from arborl.prefix import RadixTree
-from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
+from arborl.types import FinishReason, GenerateRequest, GenerateResult
 
 _NOT_FINITE = ("its next-token distribution is not finite (NaN / inf logits): no token can be drawn; the "
                "other requests of the step went on")
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose prefill was skipped
-    prefill_tokens: int = 0  # tokens actually run through prefill (incl. recompute after updates)
-    batch_size_sum: int = 0
-    max_batch_size: int = 0
-    finished: int = 0
-    aborted: int = 0
-    weight_updates: int = 0
-    busy_s: float = 0.0
-    started_at: float = field(default_factory=time.perf_counter)
-
-    def as_dict(self, *, waiting: int, running: int, cached_tokens: int) -> dict:
-        return {
-            "steps": self.steps,
-            "generated_tokens": self.generated_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "prefill_tokens": self.prefill_tokens,
-            "cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
-            "mean_batch_size": self.batch_size_sum / self.decode_steps if self.decode_steps else 0.0,
-            "max_batch_size": self.max_batch_size,
-            "finished": self.finished,
-            "aborted": self.aborted,
-            "weight_updates": self.weight_updates,
-            "busy_s": self.busy_s,
-            "queue_length": waiting,
-            "running": running,
-            "prefix_cache_tokens": cached_tokens,
-        }
 
 
 class LLMEngine:
@@ -104,15 +69,11 @@ class LLMEngine:
         decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.stop_rules = StopRules(self.limits.eos_token_ids, config.max_seq_len, decode)
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
-        self._rng = torch.Generator().manual_seed(seed)
-        self._arrivals = 0
-        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (−priority, arrival)
-        self._running: list[Sequence] = []  # index == slot
-        self._by_id: dict[str, Sequence] = {}
-        self._aborts: set[str] = set()
         self._failed: list[tuple[str, str]] = []  # (request id, why): requests that failed alone in a step
         self.stats = EngineStats()
         self.spec = SpecDecoder(self) if config.spec.enabled else None
+        self.sched = Scheduler(config, self.runner.kv, self.prefix_cache, self.stats, seed=seed,
+                               on_release=self.spec.drafter.release if self.spec is not None else None)
         if owns_model and self.spec is None:  # a drafter may run the policy's modules (draft_layers): kept then
             self.runner.release_module_weights()
             release_free_memory()
@@ -120,33 +81,23 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
         self.limits.check(request, can_decode=self.tokenizer is not None)
-        if request.request_id in self._by_id:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
-        seed = request.params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        seq = Sequence(request=request, seed=seed, arrival=self._arrivals, on_token=on_token)
-        self._arrivals += 1
-        heapq.heappush(self._waiting, (seq.sort_key(), seq))
-        self._by_id[request.request_id] = seq
-        return seq
+        return self.sched.add(request, on_token)
 
     def abort(self, request_id: str) -> None:
         """Finish the request at the next step with what it has so far (finish_reason "abort")."""
-        if request_id in self._by_id:
-            self._aborts.add(request_id)
+        self.sched.abort(request_id)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborts)
+        return self.sched.has_work
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.sched.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.sched.running)
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
@@ -163,9 +114,9 @@ class LLMEngine:
         self.prefix_cache.clear()  # cached KV belongs to the old policy
         if self.spec is not None:
             self.spec.drafter.weights_updated()
-        if self._running:
+        if self.sched.running:
             with torch.inference_mode():
-                self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self._running])
+                self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self.sched.running])
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
@@ -203,9 +154,9 @@ class LLMEngine:
     def step(self) -> list[GenerateResult]:
         t0 = time.perf_counter()
         finished: list[Sequence] = []
-        self._apply_aborts(finished)
+        self.sched.apply_aborts(finished)
         self._admit(finished)
-        if self._running:
+        if self.sched.running:
             self._decode(finished)
         results = [self._finish(seq) for seq in finished]
         self.stats.steps += 1
@@ -221,7 +172,7 @@ class LLMEngine:
     def reap_aborts(self) -> list[GenerateResult]:
         """End the aborted requests now, without a decode step (a paused engine still answers aborts)."""
         finished: list[Sequence] = []
-        self._apply_aborts(finished)
+        self.sched.apply_aborts(finished)
         return [self._finish(seq) for seq in finished]
 
     def run_until_done(self) -> list[GenerateResult]:
@@ -239,37 +190,11 @@ class LLMEngine:
 
     def drop_all(self) -> None:
         """Forget every request without serving it (after a failed step; their callers get an error)."""
-        if self.spec is not None:
-            for seq in self._running:
-                self.spec.drafter.release(seq)
-        self._waiting.clear()
-        self._running.clear()
-        self._by_id.clear()
-        self._aborts.clear()
-
-    def _apply_aborts(self, finished: list[Sequence]) -> None:
-        if not self._aborts:
-            return
-        ids, self._aborts = self._aborts, set()
-        kept = []
-        for key, seq in self._waiting:
-            if seq.request_id in ids:
-                seq.finish_reason = FinishReason.ABORT
-                finished.append(seq)
-            else:
-                kept.append((key, seq))
-        if len(kept) != len(self._waiting):
-            self._waiting = kept
-            heapq.heapify(self._waiting)
-        for seq in list(self._running):
-            if seq.request_id in ids:
-                seq.finish_reason = FinishReason.ABORT
-                self._release(seq)
-                finished.append(seq)
+        self.sched.drop_all()
 
     def _admit(self, finished: list[Sequence]) -> None:
-        while self._waiting and len(self._running) < self.config.max_batch_size:
-            wave = self._take_wave()
+        while self.sched.can_admit():
+            wave = self.sched.take_wave()
             jobs = [(seq, seq.request.prompt_token_ids[seq.kv_len :], seq.kv_len) for seq in wave]
             logits = self._prefill(jobs)
             for seq in wave:
@@ -277,39 +202,6 @@ class LLMEngine:
                     seq.request.prompt_token_ids, lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b)
                 )
             self._sample_into(wave, logits, finished)
-
-    def _take_wave(self) -> list[Sequence]:
-        """Waiting sequences to prefill together, each in a new slot with its cached prefix copied in.
-        A prompt that shares enough uncached tokens with one already in the wave is deferred to the
-        next wave, which then finds that shared prefix in the cache (GRPO groups, shared system prompts)."""
-        # deferring only pays when the first prompt's KV will be in the cache for the others
-        min_share = self.config.inbatch_prefix_min_tokens if self.prefix_cache.budget_tokens > 0 else 0
-        wave_prompts: RadixTree[None] = RadixTree()
-        wave: list[Sequence] = []
-        deferred: list[tuple[tuple[int, int], Sequence]] = []
-        while self._waiting and len(self._running) < self.config.max_batch_size:
-            key, seq = heapq.heappop(self._waiting)
-            prompt = seq.request.prompt_token_ids
-            # keep >= 1 prompt token to prefill: its logits give the first generated token
-            pieces = self.prefix_cache.lookup(prompt[:-1])
-            cached = pieces[-1][0] + pieces[-1][1].shape[3] if pieces else 0
-            if min_share and wave and wave_prompts.match_prefix(prompt[:-1]).length - cached >= min_share:
-                deferred.append((key, seq))
-                continue
-            wave_prompts.insert(prompt)
-            seq.scheduled_at = time.perf_counter()
-            seq.slot = len(self._running)
-            seq.state = SeqState.RUNNING
-            self._running.append(seq)
-            for pos, kv in pieces:
-                self.runner.kv.write(seq.slot, pos, kv)
-            seq.kv_len = seq.cached_prompt_tokens = cached
-            self.stats.prompt_tokens += len(prompt)
-            self.stats.cached_prompt_tokens += cached
-            wave.append(seq)
-        for item in deferred:
-            heapq.heappush(self._waiting, item)
-        return wave
 
     def _prefill(self, jobs: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
         """Run each job's tokens (from position ``start`` of its slot), packing several sequences per
@@ -341,7 +233,7 @@ class LLMEngine:
         return torch.stack(out)  # type: ignore[arg-type]
 
     def _decode(self, finished: list[Sequence]) -> None:
-        batch = list(self._running)
+        batch = list(self.sched.running)
         if self.spec is not None:
             drafts = self.spec.drafts(batch)
             if drafts is not None:
@@ -350,9 +242,7 @@ class LLMEngine:
         logits = self.runner.decode([s.tokens[-1] for s in batch], [s.kv_len for s in batch])
         for s in batch:
             s.kv_len += 1
-        self.stats.decode_steps += 1
-        self.stats.batch_size_sum += len(batch)
-        self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
+        self.stats.decode_step(len(batch))
         self._sample_into(batch, logits, finished)
         if self.spec is not None:
             self.spec.observe(batch, self.runner.last_hidden[:, None])
@@ -377,9 +267,7 @@ class LLMEngine:
             results.append(acc)
             hidden.append(self.runner.last_hidden[r, [0] + [n + 1 for n in acc.nodes]])
         self.spec.walked(time.perf_counter() - t_walk, len(batch))
-        self.stats.decode_steps += 1
-        self.stats.batch_size_sum += len(batch)
-        self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
+        self.stats.decode_step(len(batch))
         self.spec.metrics.verify_steps += 1
         for seq, acc in zip(batch, results):
             if not all(map(math.isfinite, acc.logprobs + acc.sample_logprobs)):
@@ -416,35 +304,21 @@ class LLMEngine:
         if reason is None:
             return False
         seq.finish_reason = reason
-        self._release(seq)
+        self.sched.release(seq)
         finished.append(seq)
         return True
 
     def _fail(self, seq: Sequence, why: str) -> None:
         """Take ``seq`` out of the engine alone; its KV is not cached (it may be what went wrong)."""
         if seq.slot >= 0:
-            self._release(seq, cache=False)
-        self._by_id.pop(seq.request_id, None)
+            self.sched.release(seq, cache=False)
+        self.sched.forget(seq.request_id)
         self._failed.append((seq.request_id, f"request {seq.request_id} failed at token {len(seq.output)}: {why}"))
-
-    def _release(self, seq: Sequence, *, cache: bool = True) -> None:
-        """Take ``seq`` out of the running batch, cache its KV, compact the slots."""
-        if cache and seq.kv_len > 0:
-            self.prefix_cache.insert(seq.tokens[: seq.kv_len], lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b))
-        last = self._running.pop()
-        if last is not seq:
-            self.runner.kv.move(last.slot, seq.slot, last.kv_len)
-            last.slot = seq.slot
-            self._running[seq.slot] = last
-        seq.slot = -1
-        seq.state = SeqState.FINISHED
-        if self.spec is not None:
-            self.spec.drafter.release(seq)
 
     def _finish(self, seq: Sequence) -> GenerateResult:
         seq.finished_at = time.perf_counter()
         seq.state = SeqState.FINISHED
-        self._by_id.pop(seq.request_id, None)
+        self.sched.forget(seq.request_id)
         self.stats.finished += 1
         if seq.finish_reason == FinishReason.ABORT:
             self.stats.aborted += 1
@@ -456,7 +330,7 @@ class LLMEngine:
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict(
-            waiting=len(self._waiting), running=len(self._running), cached_tokens=self.prefix_cache.cached_tokens
+            waiting=len(self.sched.waiting), running=len(self.sched.running), cached_tokens=self.prefix_cache.cached_tokens
         )
         if self.spec is not None:
             d.update(self.spec.stats())
