@@ -73,14 +73,14 @@ FEATURES: tuple[Feature, ...] = (
             "tree so the prefix is computed once; loss and gradients are the same as flat packing.",
             ("prefix/", "train/packing.py"), ("train.packing=tree",)),
     Feature("I1", "Speculative decoding with a small draft model of the policy's tokenizer: the policy's first "
-            "layers, or a separate checkpoint.", ("engine/spec/draft_model.py",),
+            "layers, or a separate checkpoint.", ("engine/specdec/draft_model.py",),
             ("engine.spec.drafter=draft_model", "engine.spec.draft_layers", "engine.spec.draft_model_path")),
-    Feature("I2", "Drafting with a multi-token-prediction (MTP) head.", ("engine/spec/mtp.py",),
+    Feature("I2", "Drafting with a multi-token-prediction (MTP) head.", ("engine/specdec/mtp.py",),
             ("engine.spec.drafter=mtp", "engine.spec.mtp_path")),
     Feature("I3", "Keeping an MTP head aligned with the moving policy by training it online (top-K KL loss; Forge).",
             ("train/mtp.py",), ("train.mtp.enabled", "train.mtp.loss=topk_kl")),
     Feature("I4", "Group-shared drafts (Seer): the other responses of the same GRPO group feed a suffix tree of draft "
-            "tokens.", ("engine/spec/suffix.py",), ("engine.spec.drafter=suffix", "engine.spec.group_trees")),
+            "tokens.", ("engine/specdec/suffix.py",), ("engine.spec.drafter=suffix", "engine.spec.group_trees")),
     Feature("I5", "Low-precision (FP8, int8, bf16) rollout inference (slime).", ("models/quantize.py",),
             ("engine.weights_dtype=float8_e4m3", "engine.weights_dtype=int8")),
     Feature("I6", "Prefill / decode disaggregation (slime).", ("cluster/pd.py",), ("cluster.pd_prefill_engines",)),

@@ -198,8 +198,8 @@ def test_the_glossary_is_generated_and_every_row_holds_in_the_code():
 
 
 @pytest.mark.parametrize("wrong, says", [
-    (dict(code=("engine/spec/eagle.py",)), "does not exist"),  # code that is not there
-    (dict(code=("engine/spec/suffix.py",)), "does not mention I1"),  # a file that does not build it
+    (dict(code=("engine/specdec/eagle.py",)), "does not exist"),  # code that is not there
+    (dict(code=("engine/specdec/suffix.py",)), "does not mention I1"),  # a file that does not build it
     (dict(knobs=("engine.spec.draft_depth",)), "not a config key"),
     (dict(knobs=("engine.spec.drafter=eagle",)), "not a valid setting"),  # a name no registry holds
     (dict(knobs=("train.correction.mode=tis_v2",)), "not a valid setting"),

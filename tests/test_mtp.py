@@ -16,7 +16,7 @@ from helpers.tiny_run import tiny_cfg
 from arborl.config import Config, EngineConfig, MTPTrainConfig, SpecConfig
 from arborl.engine import LLMEngine
 from arborl.engine.backends import builtin
-from arborl.engine.spec.mtp import MTPHead, head_state, load_head, save_head
+from arborl.engine.specdec.mtp import MTPHead, head_state, load_head, save_head
 from arborl.export import export_run
 from arborl.run.job import train
 from arborl.models import load_model, tiny_llama

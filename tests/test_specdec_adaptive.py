@@ -12,7 +12,7 @@ import pytest
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import AsyncEngine, LLMEngine
 from arborl.engine.pool import EnginePool
-from arborl.engine.spec.adaptive import AdaptiveLength, VerifyProfile
+from arborl.engine.specdec.adaptive import AdaptiveLength, VerifyProfile
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 

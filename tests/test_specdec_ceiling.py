@@ -17,8 +17,8 @@ from arborl_bench.specdec_ceiling import (
 )
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
-from arborl.engine.spec.adaptive import VerifyProfile
-from arborl.engine.spec.suffix import GroupStores
+from arborl.engine.specdec.adaptive import VerifyProfile
+from arborl.engine.specdec.suffix import GroupStores
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
-from arborl.engine.spec.adaptive import MIN_GAIN, AdaptiveLength, VerifyProfile, monotone
+from arborl.engine.specdec.adaptive import MIN_GAIN, AdaptiveLength, VerifyProfile, monotone
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 

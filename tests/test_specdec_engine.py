@@ -13,8 +13,8 @@ from helpers.spec_checks import assert_policy_logprobs
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
-from arborl.engine.spec import Draft
-from arborl.engine.spec.verify import sampling_logprobs
+from arborl.engine.specdec import Draft
+from arborl.engine.specdec.verify import sampling_logprobs
 from arborl.models import tiny_llama
 from arborl.types import FinishReason, GenerateRequest, SamplingParams
 
@@ -345,7 +345,7 @@ def test_draft_model_path_of_another_vocabulary_or_tokenizer_is_refused(tmp_path
     from transformers import AutoTokenizer
 
     from arborl.config import ModelConfig
-    from arborl.engine.spec.draft_model import DraftModelError
+    from arborl.engine.specdec.draft_model import DraftModelError
     from arborl.models.loading import ensure_smollm2_dir
 
     model = tiny_llama(layers=1, hidden=32, vocab=VOCAB, heads=4, kv_heads=2)
@@ -378,7 +378,7 @@ def test_draft_model_path_of_another_vocabulary_or_tokenizer_is_refused(tmp_path
 def test_prompt_lookup_drafts_are_lossless(params, monkeypatch):
     """engine.spec.prompt_lookup: the request's own most recent match adds a path to the group's drafts;
     greedy tokens, sampled tokens (position-keyed draws, same seed) and log-probs are plain decoding's."""
-    import arborl.engine.spec.suffix as suffix
+    import arborl.engine.specdec.suffix as suffix
 
     proposed = []
     real = suffix.lookup_path

@@ -12,7 +12,7 @@ import torch
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
-from arborl.engine.spec import Draft
+from arborl.engine.specdec import Draft
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 

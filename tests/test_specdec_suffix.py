@@ -9,8 +9,8 @@ import torch
 
 from arborl.config import SpecConfig
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.draft import Draft
-from arborl.engine.spec.suffix import GroupStores, SuffixDrafter, TokenStore, draft_paths
+from arborl.engine.specdec.draft import Draft
+from arborl.engine.specdec.suffix import GroupStores, SuffixDrafter, TokenStore, draft_paths
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
 

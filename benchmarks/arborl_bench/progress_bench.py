@@ -206,9 +206,9 @@ def replay_acceptance(run_dir: Path, policy: Path, calls: int, k: int = 6, tempe
     from arborl.config import SpecConfig
     from arborl.datapool import DataPool
     from arborl.engine.model_runner import ModelRunner
-    from arborl.engine.spec.draft import Draft
-    from arborl.engine.spec.suffix import TokenStore, lookup_path, suffix_paths
-    from arborl.engine.spec.verify import sampling_logprobs
+    from arborl.engine.specdec.draft import Draft
+    from arborl.engine.specdec.suffix import TokenStore, lookup_path, suffix_paths
+    from arborl.engine.specdec.verify import sampling_logprobs
     from arborl.types import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()

@@ -49,10 +49,10 @@ from arborl.config import EngineConfig, ModelConfig, SpecConfig, load_config
 from arborl.engine import LLMEngine
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sampling import log_probs
-from arborl.engine.spec import Draft
-from arborl.engine.spec.adaptive import VerifyProfile
-from arborl.engine.spec.suffix import GroupStores, TokenStore, suffix_draft
-from arborl.engine.spec.verify import sampling_logprobs
+from arborl.engine.specdec import Draft
+from arborl.engine.specdec.adaptive import VerifyProfile
+from arborl.engine.specdec.suffix import GroupStores, TokenStore, suffix_draft
+from arborl.engine.specdec.verify import sampling_logprobs
 from arborl.models import LoadedModel, chat_token_ids, load_model, tiny_llama
 from arborl.sim import simulate
 from arborl.tasks.calculator import EXAMPLE, SYSTEM_PROMPT, make_tasks

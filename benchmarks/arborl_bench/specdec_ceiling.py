@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from arborl.config import SpecConfig
-from arborl.engine.spec.adaptive import VerifyProfile
-from arborl.engine.spec.suffix import TokenStore, suffix_draft
+from arborl.engine.specdec.adaptive import VerifyProfile
+from arborl.engine.specdec.suffix import TokenStore, suffix_draft
 from arborl.prefix import common_prefix_len
 from arborl.types import GenerateResult
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from arborl.agents import AGENTS
 from arborl.config import Config, ConfigError
 from arborl.engine.backends import ENGINE_BACKENDS
-from arborl.engine.spec import DRAFTERS
+from arborl.engine.specdec import DRAFTERS
 from arborl.registry import Registry, RegistryError
 from arborl.rewards import ADVANTAGE_ESTIMATORS
 from arborl.scheduling.consume import CONSUME_POLICIES

@@ -8,7 +8,7 @@ and their KV goes to the prefix cache; a request whose own step fails (non-finit
 rule or callback) leaves alone. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
 recomputed under the new weights, and every token is stamped with the version that produced it.
 
-With ``engine.spec.enabled`` a decode step may instead verify drafts (``engine/spec``): one forward
+With ``engine.spec.enabled`` a decode step may instead verify drafts (``engine/specdec``): one forward
 over every sequence's last token and its draft tree, then lossless acceptance; the KV of rejected
 draft tokens is dropped by not counting it (``kv_len``), and later writes overwrite it.
 """
@@ -29,8 +29,8 @@ from arborl.engine.sampling import sample
 from arborl.engine.scheduler import Scheduler
 from arborl.engine.sequence import Sequence, SeqState
 from arborl.engine.stats import EngineStats
-from arborl.engine.spec import Draft, SpecDecoder
-from arborl.engine.spec.verify import accept_all
+from arborl.engine.specdec import Draft, SpecDecoder
+from arborl.engine.specdec.verify import accept_all
 from arborl.heap import release_free_memory
 from arborl.types import FinishReason, GenerateRequest, GenerateResult
 

@@ -126,7 +126,7 @@ class EnginePool:
 
     def spec_stats(self) -> dict[str, float]:
         """Speculative decoding over every engine (counters summed); empty when it is off."""
-        from arborl.engine.spec.metrics import combine
+        from arborl.engine.specdec.metrics import combine
         return combine([e.spec_stats() for e in self.engines])
 
     def dispatch_stats(self) -> dict[str, float]:

@@ -4,7 +4,7 @@ on the step's rollout tokens.
 The policy runs once without gradients (its hidden states are detached: the backbone never learns
 from the head). For each generated run of a sample -- positions a .. b-1 of one engine call -- the
 head sees what the engine's drafter sees: the pairs (h_{i-1}, t_i) for i = a+1 .. b-1, causal over
-the run (``engine/spec/mtp.py``), and at position i it is taught the policy's own next-token
+the run (``engine/specdec/mtp.py``), and at position i it is taught the policy's own next-token
 distribution p_i (what the verifier accepts against):
 
     topk_kl:  L_i = sum_{v in topK(p_i)} p~_i(v) (log p~_i(v) - log q_i(v)),  p~ = p renormalised on its top K
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborl.config import Config, MTPTrainConfig
-from arborl.engine.spec.mtp import MTP_FILE, MTPHead, head_state, load_head, mtp_init_path, save_head
+from arborl.engine.specdec.mtp import MTP_FILE, MTPHead, head_state, load_head, mtp_init_path, save_head
 from arborl.models.forward import DecoderShape, decoder_hidden, lm_logits
 from arborl.types import ArborlError, Sample
 

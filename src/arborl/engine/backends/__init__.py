@@ -15,7 +15,7 @@ from arborl.engine.async_engine import AsyncEngine
 from arborl.engine.backends.base import BackendError, ServerUnavailableError
 from arborl.engine.engine import LLMEngine
 from arborl.engine.face import EngineFace
-from arborl.engine.spec.mtp import mtp_init_path
+from arborl.engine.specdec.mtp import mtp_init_path
 from arborl.models.quantize import to_serving_dtype
 from arborl.registry import Registry
 

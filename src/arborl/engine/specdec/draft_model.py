@@ -18,8 +18,8 @@ from torch import nn
 
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.draft import Draft
-from arborl.engine.spec.drafter import DRAFTERS, EngineView
+from arborl.engine.specdec.draft import Draft
+from arborl.engine.specdec.drafter import DRAFTERS, EngineView
 from arborl.models.hf_dir import has_tokenizer
 from arborl.types import ArborlError
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.draft import Draft
-from arborl.engine.spec.drafter import DRAFTERS, EngineView
+from arborl.engine.specdec.draft import Draft
+from arborl.engine.specdec.drafter import DRAFTERS, EngineView
 from arborl.models.forward import lm_logits
 from arborl.types import ArborlError
 

@@ -23,8 +23,8 @@ import threading
 from collections import Counter, OrderedDict
 from arborl.config import SpecConfig
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.draft import Draft
-from arborl.engine.spec.drafter import DRAFTERS, EngineView
+from arborl.engine.specdec.draft import Draft
+from arborl.engine.specdec.drafter import DRAFTERS, EngineView
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram looked at per draft
 # a draft from a 1-token match (``fallback_tokens``) needs this share of the votes: such matches are

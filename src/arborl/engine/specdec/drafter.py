@@ -14,7 +14,7 @@ from torch import nn
 from arborl.config import EngineConfig
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.draft import Draft
+from arborl.engine.specdec.draft import Draft
 from arborl.registry import Registry
 
 

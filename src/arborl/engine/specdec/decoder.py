@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from arborl.engine.sequence import Sequence
-from arborl.engine.spec.adaptive import AdaptiveLength, VerifyProfile
-from arborl.engine.spec.draft import Draft
-from arborl.engine.spec.drafter import DRAFTERS, Drafter, EngineView
-from arborl.engine.spec.metrics import SpecMetrics
+from arborl.engine.specdec.adaptive import AdaptiveLength, VerifyProfile
+from arborl.engine.specdec.draft import Draft
+from arborl.engine.specdec.drafter import DRAFTERS, Drafter, EngineView
+from arborl.engine.specdec.metrics import SpecMetrics
 from arborl.types import SamplingParams
 
 PROFILE_CONTEXT = 128  # tokens of context behind the profiled verify forwards

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from arborl.engine.sampling import sample, sampling_log_probs
-from arborl.engine.spec.draft import Draft
+from arborl.engine.specdec.draft import Draft
 from arborl.types import SamplingParams
 
 
