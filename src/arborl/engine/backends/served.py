@@ -6,8 +6,10 @@ chose it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from abc import abstractmethod
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
@@ -88,6 +90,22 @@ class ServedEngine(ServerEngine):
         if r.status_code == 400:
             raise InvalidRequestError(f"{self.label} rejected the request: {text}")
         raise BackendError(f"{self.label} answered {r.status_code}: {text}")
+
+    async def sse(self, client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
+        """POST ``body`` to ``path`` and yield each server-sent event's JSON object until ``[DONE]``; an event
+        carrying an ``error`` is a BackendError naming the server."""
+        async with client.stream("POST", f"{self.url}{path}", json=body) as r:
+            await self.raise_for_status(r)
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise BackendError(f"{self.label} failed the request: {chunk['error']}")
+                yield chunk
 
     async def _post(self, client: httpx.AsyncClient, path: str, **kw) -> httpx.Response:
         try:

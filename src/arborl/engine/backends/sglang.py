@@ -12,7 +12,6 @@ temperature) unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: the engine treats them
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -77,27 +76,17 @@ class SGLangEngine(ServedEngine):
 
     async def stream_segment(self, client: httpx.AsyncClient, seg: Segment) -> AsyncIterator[Piece]:
         taken = 0
-        async with client.stream("POST", f"{self.url}/generate", json=self.body(seg)) as r:
-            await self.raise_for_status(r)
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise BackendError(f"SGLang failed the request: {chunk['error']}")
-                meta = chunk.get("meta_info") or {}
-                entries = meta.get("output_token_logprobs") or []
-                total = int(meta.get("completion_tokens", taken + len(entries)))
-                new = entries[len(entries) - (total - taken):] if total > taken else []
-                taken = total
-                finish = meta.get("finish_reason")
-                reason = finish.get("type") if isinstance(finish, dict) else finish
-                cached = meta.get("cached_tokens")
-                yield Piece([int(e[1]) for e in new], [float(e[0]) for e in new], reason,
-                            int(cached) if cached is not None else None)
+        async for chunk in self.sse(client, "/generate", self.body(seg)):
+            meta = chunk.get("meta_info") or {}
+            entries = meta.get("output_token_logprobs") or []
+            total = int(meta.get("completion_tokens", taken + len(entries)))
+            new = entries[len(entries) - (total - taken):] if total > taken else []
+            taken = total
+            finish = meta.get("finish_reason")
+            reason = finish.get("type") if isinstance(finish, dict) else finish
+            cached = meta.get("cached_tokens")
+            yield Piece([int(e[1]) for e in new], [float(e[0]) for e in new], reason,
+                        int(cached) if cached is not None else None)
 
     async def load_weights(self, client: httpx.AsyncClient, prepared: object, version: int) -> None:
         path = Path(str(prepared))

@@ -140,27 +140,17 @@ class VLLMEngine(ServedEngine):
         return request_body(seg)
 
     async def stream_segment(self, client: httpx.AsyncClient, seg: Segment) -> AsyncIterator[Piece]:
-        async with client.stream("POST", f"{self.url}/v1/completions", json=self.body(seg)) as r:
-            await self.raise_for_status(r)
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise BackendError(f"vLLM failed the request: {chunk['error']}")
-                usage = chunk.get("usage") or {}
-                details = usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    yield Piece([], [], None, int(details["cached_tokens"]))
-                for ch in chunk.get("choices") or []:
-                    ids = ch.get("token_ids") or []
-                    lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
-                    if len(lps) != len(ids):
-                        raise BackendError(f"vLLM sent {len(ids)} token ids with {len(lps)} log-probs")
-                    yield Piece(list(ids), [float(x) for x in lps], ch.get("finish_reason"))
+        async for chunk in self.sse(client, "/v1/completions", self.body(seg)):
+            usage = chunk.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                yield Piece([], [], None, int(details["cached_tokens"]))
+            for ch in chunk.get("choices") or []:
+                ids = ch.get("token_ids") or []
+                lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
+                if len(lps) != len(ids):
+                    raise BackendError(f"vLLM sent {len(ids)} token ids with {len(lps)} log-probs")
+                yield Piece(list(ids), [float(x) for x in lps], ch.get("finish_reason"))
 
     # -- weights ----------------------------------------------------------------------------------
     async def load_weights(self, client: httpx.AsyncClient, prepared: object, version: int) -> None:
