@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from arborl.datapool import codec
-from arborl.types import ArborlError, Call, Episode, EpisodeStatus
+from arborl.datapool.store import read_trainer_logprobs, row_to_call, row_to_episode
+from arborl.types import ArborlError, Episode
 
 _STEP_GROUP = re.compile(r"^step(\d+):")
 
@@ -61,33 +61,12 @@ def buckets(path: Path) -> list[dict[str, Any]]:
     return [{"bucket": b, "groups": out[b]} for b in sorted(out, key=order)]
 
 
-def _call(row: sqlite3.Row) -> Call:
-    return Call(
-        episode_id=row["episode_id"], prompt_token_ids=codec.decode_i32(row["prompt"]),
-        completion_token_ids=codec.decode_i32(row["completion"]), logprobs=codec.decode_f32(row["logprobs"]),
-        sample_logprobs=codec.decode_f32(row["sample_logprobs"]), versions=codec.decode_i32(row["versions"]),
-        finish_reason=row["finish_reason"], call_id=row["call_id"], engine_id=row["engine_id"],
-        created_at=row["created_at"], latency_s=row["latency_s"], cached_prompt_tokens=row["cached_prompt_tokens"],
-        meta=codec.decode_json(row["meta"], {}),
-    )
-
-
-def _episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
-    return Episode(
-        task_id=row["task_id"], group_id=row["group_id"], agent_kind=row["agent_kind"],
-        status=EpisodeStatus(row["status"]), episode_id=row["episode_id"], calls=calls,
-        interactions=codec.decode_json(row["interactions"], []),
-        reward_components=codec.decode_json(row["reward_components"], {}), reward=row["reward"],
-        started_at=row["started_at"], finished_at=row["finished_at"], meta=codec.decode_json(row["meta"], {}),
-    )
-
-
 def group_episodes(path: Path, group_id: str) -> list[Episode]:
     """The group's episodes (without their calls), in start order."""
     with read_only(path) as conn:
         rows = conn.execute("SELECT * FROM episodes WHERE group_id = ? ORDER BY started_at, rowid",
                             (group_id,)).fetchall()
-    return [_episode(r, []) for r in rows]
+    return [row_to_episode(r, []) for r in rows]
 
 
 def episode(path: Path, episode_id: str) -> Episode | None:
@@ -99,7 +78,7 @@ def episode(path: Path, episode_id: str) -> Episode | None:
             return None
         calls = conn.execute("SELECT * FROM calls WHERE episode_id = ? ORDER BY seq", (episode_id,)).fetchall()
         conn.execute("COMMIT")
-    return _episode(row, [_call(c) for c in calls])
+    return row_to_episode(row, [row_to_call(c) for c in calls])
 
 
 def trainer_logprobs(path: Path, episode_id: str) -> dict[str, list[float]]:
@@ -107,11 +86,9 @@ def trainer_logprobs(path: Path, episode_id: str) -> dict[str, list[float]]:
     them (datapool/store.py ``record_trainer_logprobs``); {} for a data pool from before the table."""
     with read_only(path) as conn:
         try:
-            rows = conn.execute(
-                "SELECT t.call_id, t.logprobs FROM trainer_logprobs t JOIN calls c ON c.call_id = t.call_id "
-                "WHERE c.episode_id = ? ORDER BY t.step", (episode_id,)).fetchall()
+            ids = [r["call_id"] for r in conn.execute("SELECT call_id FROM calls WHERE episode_id = ?", (episode_id,))]
+            return {cid: lps for cid, (_, lps) in read_trainer_logprobs(conn, ids).items()}
         except sqlite3.OperationalError as e:
             if "no such table" in str(e):
                 return {}
             raise
-    return {r["call_id"]: codec.decode_f32(r["logprobs"]) for r in rows}

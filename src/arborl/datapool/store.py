@@ -201,7 +201,18 @@ class _EncodedCall:
         return self.content[0]
 
 
-def _row_to_call(row: sqlite3.Row) -> Call:
+def read_trainer_logprobs(conn: sqlite3.Connection, call_ids: Sequence[str]) -> dict[str, tuple[int, list[float]]]:
+    """``DataPool.trainer_logprobs`` on a connection of its own (the dashboard's read-only one)."""
+    out: dict[str, tuple[int, list[float]]] = {}
+    for chunk in _chunks(list(dict.fromkeys(call_ids)), _IN_CHUNK):
+        for r in conn.execute(f"SELECT call_id, step, logprobs FROM trainer_logprobs WHERE call_id IN "
+                              f"({', '.join('?' * len(chunk))}) ORDER BY step", list(chunk)):
+            out[r["call_id"]] = (int(r["step"]), codec.decode_f32(r["logprobs"]))
+    return out
+
+
+def row_to_call(row: sqlite3.Row) -> Call:
+    """A ``calls`` row (any query selecting its columns by name) as a Call."""
     return Call(
         episode_id=row["episode_id"],
         prompt_token_ids=codec.decode_i32(row["prompt"]),
@@ -219,7 +230,8 @@ def _row_to_call(row: sqlite3.Row) -> Call:
     )
 
 
-def _row_to_episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
+def row_to_episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
+    """An ``episodes`` row as an Episode with ``calls``."""
     return Episode(
         task_id=row["task_id"],
         group_id=row["group_id"],
@@ -575,19 +587,7 @@ class DataPool:
     def trainer_logprobs(self, call_ids: Iterable[str]) -> dict[str, tuple[int, list[float]]]:
         """call id -> (step, the trainer's log-probs) of the latest step that recorded each call; calls
         without any are left out."""
-        ids = list(dict.fromkeys(call_ids))
-
-        def rd(conn: sqlite3.Connection) -> dict[str, tuple[int, list[float]]]:
-            out: dict[str, tuple[int, list[float]]] = {}
-            for chunk in _chunks(ids, _IN_CHUNK):
-                for r in conn.execute(
-                    f"SELECT call_id, step, logprobs FROM trainer_logprobs WHERE call_id IN "
-                    f"({', '.join('?' * len(chunk))}) ORDER BY step", list(chunk),
-                ):
-                    out[r["call_id"]] = (int(r["step"]), codec.decode_f32(r["logprobs"]))
-            return out
-
-        return self._read(rd)
+        return self._read(read_trainer_logprobs, list(call_ids))
 
     @staticmethod
     def _insert_call(conn: sqlite3.Connection, c: _EncodedCall) -> tuple[int, bool]:
@@ -627,7 +627,7 @@ class DataPool:
     def get_call(self, call_id: str) -> Call | None:
         def rd(conn: sqlite3.Connection) -> Call | None:
             row = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (call_id,)).fetchone()
-            return None if row is None else _row_to_call(row)
+            return None if row is None else row_to_call(row)
 
         return self._read(rd)
 
@@ -643,7 +643,7 @@ class DataPool:
             if row is None:
                 return None
             calls = self._calls_of(conn, [episode_id]).get(episode_id, []) if with_calls else []
-            return _row_to_episode(row, calls)
+            return row_to_episode(row, calls)
 
         return self._read(rd)
 
@@ -693,7 +693,7 @@ class DataPool:
         def rd(conn: sqlite3.Connection) -> list[Episode]:
             rows = conn.execute(sql, params).fetchall()
             by_ep = self._calls_of(conn, [r["episode_id"] for r in rows]) if with_calls and rows else {}
-            return [_row_to_episode(r, by_ep.get(r["episode_id"], [])) for r in rows]
+            return [row_to_episode(r, by_ep.get(r["episode_id"], [])) for r in rows]
 
         return self._read(rd)
 
@@ -749,5 +749,5 @@ class DataPool:
                 list(chunk),
             ).fetchall()
             for r in rows:
-                out.setdefault(r["episode_id"], []).append(_row_to_call(r))
+                out.setdefault(r["episode_id"], []).append(row_to_call(r))
         return out
