@@ -3,8 +3,6 @@ and the stop rules every engine applies are one function."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +14,8 @@ from arborl.engine.backends.remote import ServerEngine
 from arborl.engine.face import EngineFace, EngineLimits, RequestFace, StopRules
 from arborl.models import tiny_llama
 from arborl.types import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
+from helpers.imports import concrete_uses
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "arborl"
 CONCRETE = {"AsyncEngine", "LLMEngine", "ServerEngine", "ServedEngine", "VLLMEngine", "SGLangEngine", "ActorEngine",
             "PDEngine"}
 CONSUMERS = ["engine/pool.py", "engine/dispatcher.py", "engine/affinity.py", "cluster/pd.py", "gateway", "scheduling",
@@ -91,15 +89,7 @@ def test_actor_engine_reports_the_spec_counters_it_was_given(engines):
 
 
 def test_no_engine_consumer_imports_a_concrete_engine_class():
-    files = []
-    for c in CONSUMERS:
-        p = SRC / c
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    bad = []
-    for f in files:
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                bad += [f"{f.relative_to(SRC)}: {a.name}" for a in node.names if a.name in CONCRETE]
+    bad = concrete_uses(CONSUMERS, CONCRETE)
     assert not bad, bad
 
 

@@ -5,9 +5,6 @@ save / load round trip, the step's log-probs, the weights to publish), and never
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +13,9 @@ from arborl.run.assemble import make_trainer, trainer_class
 from arborl.train.face import TrainerFace
 from arborl.train.ranks import RankGroup
 from arborl.train.trainer import Trainer
+from helpers.imports import concrete_uses
 from helpers.parallel import make_samples, tiny
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "arborl"
 CONCRETE = {"Trainer", "RankGroup", "RayRankGroup"}
 CONSUMERS = ["run/controller.py", "scheduling", "gateway", "agents", "workers", "datapool"]
 
@@ -79,16 +76,5 @@ def test_a_trainer_of_each_kind_works_through_the_face_alone(tmp_path, parallel)
 
 
 def test_no_trainer_consumer_imports_a_concrete_trainer_class():
-    files = []
-    for c in CONSUMERS:
-        p = SRC / c
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    bad = []
-    for f in files:
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                bad += [f"{f.relative_to(SRC)}: {a.name}" for a in node.names if a.name in CONCRETE]
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
-                names = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[1])}
-                bad += [f"{f.relative_to(SRC)}: isinstance(..., {n})" for n in names & CONCRETE]
+    bad = concrete_uses(CONSUMERS, CONCRETE)
     assert not bad, bad
