@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from arborl.cli import app
+from arborl.dashboard.pool import buckets
 from arborl.datapool import DataPool
 from arborl.run.job import train
 from arborl.show import transcript
@@ -50,6 +51,10 @@ def test_show_of_an_async_run_shows_what_the_step_trained_not_its_draw(tmp_path)
         assert out.exit_code == 0, out.output
         shown = {line.rsplit("episode ", 1)[1] for line in out.stdout.splitlines() if line.startswith("--- task ")}
         assert shown == trained and len(shown) == 16
+    # the dashboard's trajectory browser files each group under the step that trained it, too
+    got = {b["bucket"]: {g["group_id"] for g in b["groups"]} for b in buckets(cfg.run_dir / "datapool.sqlite")}
+    for step in (1, 2, 3):
+        assert got[f"step {step}"] == {t["group_id"] for t in led["trainings"] if t["step"] == step}
 
 
 def test_a_multi_turn_transcript_shows_what_the_environment_added():

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from arborl.datapool.ledger import surviving
 from arborl.datapool.store import read_trainer_logprobs, row_to_call, row_to_episode
 from arborl.types import ArborlError, Episode
 
@@ -33,14 +34,34 @@ def read_only(path: Path) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def bucket(group_id: str) -> str:
-    """The trajectory browser's 'step' of a group: ``step N`` for the groups training step N trained
-    (group ``step{N-1}:task``), the group's tag for evaluation (``eval-v3``), else ``other``."""
+def bucket(group_id: str, trained_at: dict[str, int] | None = None) -> str:
+    """The trajectory browser's 'step' of a group: ``step N`` for the groups training step N trained (by
+    the data pool's ledger, ``trained_at``: asynchronous consumption trains groups of several draws in one
+    step; without a ledger, group ``step{N-1}:task``), the group's tag for evaluation (``eval-v3``), else
+    ``other``; with a ledger, a training group no step trained (yet) is ``not trained``."""
+    if trained_at:
+        if group_id in trained_at:
+            return f"step {trained_at[group_id]}"
+        if _STEP_GROUP.match(group_id):
+            return "not trained"
     m = _STEP_GROUP.match(group_id)
     if m:
         return f"step {int(m.group(1)) + 1}"
     tag, sep, _ = group_id.partition(":")
     return tag if sep and tag.startswith("eval") else "other"
+
+
+def _trained_at(conn: sqlite3.Connection) -> dict[str, int]:
+    """Group id -> the step that trained it, over the trainings the final weights descend from ({} for a
+    data pool without a ledger)."""
+    try:
+        trainings = [dict(r) for r in conn.execute("SELECT * FROM trainings ORDER BY rowid")]
+        attempts = [dict(r) for r in conn.execute("SELECT * FROM attempts ORDER BY rowid")]
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return {}
+        raise
+    return {t["group_id"]: t["step"] for t in surviving(trainings, attempts)}
 
 
 def buckets(path: Path) -> list[dict[str, Any]]:
@@ -49,9 +70,10 @@ def buckets(path: Path) -> list[dict[str, Any]]:
         rows = conn.execute(
             "SELECT group_id, COUNT(*) AS n, AVG(reward) AS r, MIN(started_at) AS t FROM episodes "
             "GROUP BY group_id ORDER BY t, group_id").fetchall()
+        trained_at = _trained_at(conn)
     out: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        out.setdefault(bucket(r["group_id"]), []).append(
+        out.setdefault(bucket(r["group_id"], trained_at), []).append(
             {"group_id": r["group_id"], "episodes": r["n"], "mean_reward": r["r"]})
 
     def order(name: str) -> tuple[int, int, str]:
