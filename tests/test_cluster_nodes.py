@@ -67,7 +67,7 @@ def test_a_node_removed_mid_step_loses_no_committed_episode_and_the_run_finishes
     assert out["node_loss_placement"] == {"node_a": ["EngineActor", "RankActor"], "node_b": ["RankActor", "WorkerActor"],
                                           "node_head": ["TrainerActor"]}, out
     assert out["node_loss_checkpoint_at_kill"] and out["node_loss_restarts"] == 1
-    assert out["node_loss_episodes_lost"] == 0 and out["node_loss_committed_before_kill"] > 16
+    assert out["node_loss_episodes_lost"] == 0 and out["node_loss_committed_before_kill"] >= 16  # step 1 at least
     assert out["node_loss_episodes_trained_twice"] == 0 and out["node_loss_prompts_skipped"] == 0
     assert out["node_loss_episodes_left_running"] == 0 and out["node_loss_steps_logged"] == [1, 2, 3]
     assert out["node_loss_nodes"] == len(NODES) and out["node_loss_ray_processes_left"] == 0
