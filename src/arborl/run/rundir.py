@@ -132,13 +132,16 @@ class RunDir:
         if not self.datapool_file.is_file():
             return 0, 0
         with DataPool.from_config(self.path, self.datapool) as pool:
-            stale = pool.episodes(status=EpisodeStatus.RUNNING)
-            stale += [e for e in pool.episodes(status=[EpisodeStatus.FINISHED, EpisodeStatus.FAILED, EpisodeStatus.ABORTED])
+            stale = pool.episodes(status=EpisodeStatus.RUNNING, with_calls=False)
+            stale += [e for e in pool.episodes(status=[EpisodeStatus.FINISHED, EpisodeStatus.FAILED, EpisodeStatus.ABORTED],
+                                               with_calls=False)
                       if e.reward is None and "member" in e.meta and not e.meta.get("aborted")]
-            for e in stale:
+            tokens = 0
+            for e in stale:  # only these episodes' calls are read: the pool may hold a whole run's
+                tokens += sum(len(c.completion_token_ids) for c in pool.calls(e.episode_id))
                 pool.update_episode(e.episode_id, status=EpisodeStatus.ABORTED, finished_at=time.time(),
                                     meta={**e.meta, "aborted": "in flight when the process stopped"})
-        return len(stale), sum(len(c.completion_token_ids) for e in stale for c in e.calls)
+        return len(stale), tokens
 
     def remove_stale_saves(self) -> None:
         """The temporary directory of a checkpoint save that a kill interrupted (the checkpoint before it is
