@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from arborl.datapool.ledger import surviving
-from arborl.datapool.store import read_trainer_logprobs, row_to_call, row_to_episode
+from arborl.datapool.rows import read_trainer_logprobs, row_to_call, row_to_episode
 from arborl.types import ArborlError, Episode
 
 _STEP_GROUP = re.compile(r"^step(\d+):")

@@ -1,14 +1,18 @@
-"""Durable SQLite (WAL) store of calls and episodes (the data pool, A3); see store.py for the guarantees."""
+"""Durable SQLite (WAL) store of calls and episodes (the data pool, A3); see store.py for the guarantees.
 
-from arborl.datapool.store import (
-    SCHEMA_VERSION,
-    DataPool,
+store.py: the DataPool; schema.py: its tables and versions; rows.py: records <-> rows; codec.py: arrays
+and dicts <-> bytes and JSON; errors.py: its exceptions; ledger.py: exactly-once counts of the stream ledger.
+"""
+
+from arborl.datapool.errors import (
     DataPoolConflictError,
-    DataPoolFullError,
     DataPoolError,
+    DataPoolFullError,
     DataPoolNotFoundError,
     DataPoolSchemaError,
 )
+from arborl.datapool.schema import SCHEMA_VERSION
+from arborl.datapool.store import DataPool
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -32,225 +32,33 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from arborl.datapool import codec
-from arborl.types import ArborlError, Call, Episode, EpisodeStatus, InvalidRequestError
+from arborl.datapool.errors import (
+    DataPoolConflictError,
+    DataPoolError,
+    DataPoolFullError,
+    DataPoolNotFoundError,
+)
+from arborl.datapool.rows import (
+    IN_CHUNK,
+    EncodedCall,
+    chunks,
+    episode_row,
+    opt_float,
+    read_trainer_logprobs,
+    row_to_call,
+    row_to_episode,
+    status_value,
+)
+from arborl.datapool.schema import CALL_COLUMNS, CALL_CONTENT, EPISODE_COLUMNS, init_schema
+from arborl.types import Call, Episode, EpisodeStatus, InvalidRequestError
 
 if TYPE_CHECKING:
     from arborl.config import DataPoolConfig
 
-SCHEMA_VERSION = 3  # 2: trainer_logprobs; 3: the stream ledger (attempts, stream_groups, trainings). Older files gain the tables when opened
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS episodes (
-    episode_id        TEXT PRIMARY KEY,
-    task_id           TEXT NOT NULL,
-    group_id          TEXT NOT NULL DEFAULT '',
-    agent_kind        TEXT NOT NULL,
-    status            TEXT NOT NULL,
-    reward            REAL NULL,
-    reward_components TEXT NOT NULL DEFAULT '{}',
-    interactions      TEXT NOT NULL DEFAULT '[]',
-    meta              TEXT NOT NULL DEFAULT '{}',
-    started_at        REAL NOT NULL,
-    finished_at       REAL NULL,
-    min_version       INTEGER NULL,
-    max_version       INTEGER NULL,
-    updated_at        REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS calls (
-    call_id              TEXT PRIMARY KEY,
-    episode_id           TEXT NOT NULL REFERENCES episodes(episode_id),
-    seq                  INTEGER NOT NULL,
-    engine_id            TEXT NOT NULL DEFAULT '',
-    prompt               BLOB NOT NULL,
-    completion           BLOB NOT NULL,
-    logprobs             BLOB NOT NULL,
-    sample_logprobs      BLOB NOT NULL,
-    versions             BLOB NOT NULL,
-    min_version          INTEGER NULL,
-    max_version          INTEGER NULL,
-    finish_reason        TEXT NOT NULL,
-    created_at           REAL NOT NULL,
-    latency_s            REAL NOT NULL DEFAULT 0,
-    cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    meta                 TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS trainer_logprobs (
-    call_id  TEXT NOT NULL REFERENCES calls(call_id),
-    step     INTEGER NOT NULL,
-    logprobs BLOB NOT NULL,
-    PRIMARY KEY (call_id, step)
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    attempt          INTEGER PRIMARY KEY,
-    from_step        INTEGER NOT NULL,
-    discarded_tokens INTEGER NOT NULL DEFAULT 0,
-    started_at       REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS stream_groups (
-    group_id      TEXT PRIMARY KEY,
-    position      INTEGER NOT NULL,
-    task_id       TEXT NOT NULL,
-    start_version INTEGER NOT NULL,
-    state         TEXT NOT NULL,
-    reason        TEXT NOT NULL DEFAULT '',
-    attempt       INTEGER NOT NULL,
-    updated_at    REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS trainings (
-    episode_id TEXT NOT NULL REFERENCES episodes(episode_id),
-    group_id   TEXT NOT NULL,
-    step       INTEGER NOT NULL,
-    attempt    INTEGER NOT NULL,
-    PRIMARY KEY (episode_id, attempt, step)
-);
-CREATE INDEX IF NOT EXISTS episodes_status ON episodes(status);
-CREATE INDEX IF NOT EXISTS episodes_group ON episodes(group_id);
-CREATE INDEX IF NOT EXISTS episodes_min_version ON episodes(min_version);
-CREATE UNIQUE INDEX IF NOT EXISTS calls_episode_seq ON calls(episode_id, seq);
-"""
-
-# Columns of `calls` that hold the immutable content of a call (everything but seq).
-_CALL_CONTENT = (
-    "episode_id, engine_id, prompt, completion, logprobs, sample_logprobs, versions, "
-    "min_version, max_version, finish_reason, created_at, latency_s, cached_prompt_tokens, meta"
-)
-_CALL_COLUMNS = "call_id, seq, " + _CALL_CONTENT
-_EPISODE_COLUMNS = (
-    "episode_id, task_id, group_id, agent_kind, status, reward, reward_components, interactions, "
-    "meta, started_at, finished_at, min_version, max_version"
-)
 _ORDERS = ("started_at", "updated_at", "finished_at", "reward", "episode_id", "min_version", "max_version")
-_IN_CHUNK = 500  # ids per IN (...) query, well under SQLite's variable limit
-
-
-class DataPoolError(ArborlError):
-    """The data pool cannot do what was asked (closed, unreadable file, ...)."""
-
-
-class DataPoolConflictError(DataPoolError, ValueError):
-    """A call id is already recorded with different content: recorded calls are immutable."""
-
-
-class DataPoolNotFoundError(DataPoolError, LookupError):
-    """The episode a write refers to is not in the data pool."""
-
-
-class DataPoolFullError(DataPoolError, OSError):
-    """The data pool's disk is full: the write stored nothing, every earlier record is intact, and writes
-    succeed again once space is freed."""
-
-
-class DataPoolSchemaError(DataPoolError):
-    """The file's schema version is not one this arborl can read."""
-
-
-def _status_value(status: EpisodeStatus | str) -> str:
-    try:
-        return EpisodeStatus(status).value
-    except ValueError:
-        valid = ", ".join(s.value for s in EpisodeStatus)
-        raise InvalidRequestError(f"unknown episode status {status!r}; valid: {valid}") from None
-
-
-def _opt_float(value: Any, what: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{what} must be a number or None, got {value!r}") from None
-
-
-class _EncodedCall:
-    __slots__ = ("call_id", "content")
-
-    def __init__(self, call: Call) -> None:
-        if not isinstance(call, Call):
-            raise InvalidRequestError(f"expected a Call, got {type(call).__name__}")
-        call.validate()
-        if not call.call_id or not isinstance(call.call_id, str):
-            raise InvalidRequestError("call_id must be a non-empty string")
-        if not call.episode_id or not isinstance(call.episode_id, str):
-            raise InvalidRequestError(f"call {call.call_id}: episode_id must be a non-empty string")
-        cid = call.call_id
-        versions = list(call.versions)
-        self.call_id = cid
-        # Same order as _CALL_CONTENT.
-        self.content: tuple[Any, ...] = (
-            call.episode_id,
-            str(call.engine_id),
-            codec.encode_i32(call.prompt_token_ids, f"call {cid}: prompt_token_ids"),
-            codec.encode_i32(call.completion_token_ids, f"call {cid}: completion_token_ids"),
-            codec.encode_f32(call.logprobs, f"call {cid}: logprobs"),
-            codec.encode_f32(call.sample_logprobs, f"call {cid}: sample_logprobs"),
-            codec.encode_i32(versions, f"call {cid}: versions"),
-            int(min(versions)) if versions else None,
-            int(max(versions)) if versions else None,
-            str(getattr(call.finish_reason, "value", call.finish_reason)),
-            float(call.created_at),
-            float(call.latency_s),
-            int(call.cached_prompt_tokens),
-            codec.encode_json(call.meta, f"call {cid}: meta"),
-        )
-
-    @property
-    def episode_id(self) -> str:
-        return self.content[0]
-
-
-def read_trainer_logprobs(conn: sqlite3.Connection, call_ids: Sequence[str]) -> dict[str, tuple[int, list[float]]]:
-    """``DataPool.trainer_logprobs`` on a connection of its own (the dashboard's read-only one)."""
-    out: dict[str, tuple[int, list[float]]] = {}
-    for chunk in _chunks(list(dict.fromkeys(call_ids)), _IN_CHUNK):
-        for r in conn.execute(f"SELECT call_id, step, logprobs FROM trainer_logprobs WHERE call_id IN "
-                              f"({', '.join('?' * len(chunk))}) ORDER BY step", list(chunk)):
-            out[r["call_id"]] = (int(r["step"]), codec.decode_f32(r["logprobs"]))
-    return out
-
-
-def row_to_call(row: sqlite3.Row) -> Call:
-    """A ``calls`` row (any query selecting its columns by name) as a Call."""
-    return Call(
-        episode_id=row["episode_id"],
-        prompt_token_ids=codec.decode_i32(row["prompt"]),
-        completion_token_ids=codec.decode_i32(row["completion"]),
-        logprobs=codec.decode_f32(row["logprobs"]),
-        sample_logprobs=codec.decode_f32(row["sample_logprobs"]),
-        versions=codec.decode_i32(row["versions"]),
-        finish_reason=row["finish_reason"],
-        call_id=row["call_id"],
-        engine_id=row["engine_id"],
-        created_at=row["created_at"],
-        latency_s=row["latency_s"],
-        cached_prompt_tokens=row["cached_prompt_tokens"],
-        meta=codec.decode_json(row["meta"], {}),
-    )
-
-
-def row_to_episode(row: sqlite3.Row, calls: list[Call]) -> Episode:
-    """An ``episodes`` row as an Episode with ``calls``."""
-    return Episode(
-        task_id=row["task_id"],
-        group_id=row["group_id"],
-        agent_kind=row["agent_kind"],
-        status=EpisodeStatus(row["status"]),
-        episode_id=row["episode_id"],
-        calls=calls,
-        interactions=codec.decode_json(row["interactions"], []),
-        reward_components=codec.decode_json(row["reward_components"], {}),
-        reward=row["reward"],
-        started_at=row["started_at"],
-        finished_at=row["finished_at"],
-        meta=codec.decode_json(row["meta"], {}),
-    )
-
-
-def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 class DataPool:
@@ -287,7 +95,7 @@ class DataPool:
                 )
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
-            self._init_schema()
+            init_schema(conn, self.path)
         except sqlite3.DatabaseError as e:
             conn.close()
             self._conn = None
@@ -302,28 +110,6 @@ class DataPool:
         return cls(Path(run_dir) / cfg.filename, busy_timeout_s=cfg.busy_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
-
-    def _init_schema(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise DataPoolSchemaError(
-                    f"data pool {self.path} has schema version {version}, but this arborl reads "
-                    f"up to version {SCHEMA_VERSION}: upgrade arborl to open it"
-                )
-            if version < SCHEMA_VERSION:
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        conn.execute(stmt)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         with self._lock:
@@ -404,7 +190,7 @@ class DataPool:
         if not ep.episode_id or not isinstance(ep.episode_id, str):
             raise InvalidRequestError("episode_id must be a non-empty string")
         eid = ep.episode_id
-        calls = [_EncodedCall(c) for c in ep.calls]
+        calls = [EncodedCall(c) for c in ep.calls]
         seen: set[str] = set()
         for c in calls:
             if c.episode_id != eid:
@@ -412,19 +198,7 @@ class DataPool:
             if c.call_id in seen:
                 raise InvalidRequestError(f"episode {eid} lists call {c.call_id} twice")
             seen.add(c.call_id)
-        row = (
-            eid,
-            str(ep.task_id),
-            str(ep.group_id),
-            str(ep.agent_kind),
-            _status_value(ep.status),
-            _opt_float(ep.reward, f"episode {eid}: reward"),
-            codec.encode_json(ep.reward_components, f"episode {eid}: reward_components"),
-            codec.encode_json(ep.interactions, f"episode {eid}: interactions"),
-            codec.encode_json(ep.meta, f"episode {eid}: meta"),
-            float(ep.started_at),
-            _opt_float(ep.finished_at, f"episode {eid}: finished_at"),
-        )
+        row = episode_row(ep)
 
         def tx(conn: sqlite3.Connection) -> None:
             conn.execute(
@@ -447,7 +221,7 @@ class DataPool:
 
     def add_call(self, call: Call) -> int:
         """Append ``call`` to its (existing) episode; returns its seq. Idempotent per call id."""
-        enc = _EncodedCall(call)
+        enc = EncodedCall(call)
 
         def tx(conn: sqlite3.Connection) -> int:
             if conn.execute("SELECT 1 FROM episodes WHERE episode_id = ?", (enc.episode_id,)).fetchone() is None:
@@ -478,10 +252,10 @@ class DataPool:
         vals: list[Any] = []
         if status is not None:
             sets.append("status = ?")
-            vals.append(_status_value(status))
+            vals.append(status_value(status))
         if reward is not None:
             sets.append("reward = ?")
-            vals.append(_opt_float(reward, f"episode {episode_id}: reward"))
+            vals.append(opt_float(reward, f"episode {episode_id}: reward"))
         if reward_components is not None:
             sets.append("reward_components = ?")
             vals.append(codec.encode_json(reward_components, f"episode {episode_id}: reward_components"))
@@ -493,7 +267,7 @@ class DataPool:
             vals.append(codec.encode_json(meta, f"episode {episode_id}: meta"))
         if finished_at is not None:
             sets.append("finished_at = ?")
-            vals.append(_opt_float(finished_at, f"episode {episode_id}: finished_at"))
+            vals.append(opt_float(finished_at, f"episode {episode_id}: finished_at"))
         sets.append("updated_at = ?")
         vals.append(time.time())
 
@@ -533,7 +307,7 @@ class DataPool:
         ids = list(group_ids)
 
         def tx(conn: sqlite3.Connection) -> None:
-            for chunk in _chunks(ids, _IN_CHUNK):
+            for chunk in chunks(ids, IN_CHUNK):
                 conn.execute(f"UPDATE stream_groups SET state = ?, reason = ?, updated_at = ? WHERE group_id IN "
                              f"({', '.join('?' * len(chunk))})", [state, reason, time.time(), *chunk])
 
@@ -590,13 +364,13 @@ class DataPool:
         return self._read(read_trainer_logprobs, list(call_ids))
 
     @staticmethod
-    def _insert_call(conn: sqlite3.Connection, c: _EncodedCall) -> tuple[int, bool]:
+    def _insert_call(conn: sqlite3.Connection, c: EncodedCall) -> tuple[int, bool]:
         """Insert one call (or check it equals the stored one). Returns (seq, inserted)."""
-        row = conn.execute(f"SELECT seq, {_CALL_CONTENT} FROM calls WHERE call_id = ?", (c.call_id,)).fetchone()
+        row = conn.execute(f"SELECT seq, {CALL_CONTENT} FROM calls WHERE call_id = ?", (c.call_id,)).fetchone()
         if row is not None:
             stored = tuple(row)[1:]
             if stored != c.content:
-                names = [n.strip() for n in _CALL_CONTENT.split(",")]
+                names = [n.strip() for n in CALL_CONTENT.split(",")]
                 diff = [n for n, a, b in zip(names, stored, c.content) if a != b]
                 raise DataPoolConflictError(
                     f"call {c.call_id} is already recorded with different {', '.join(diff)}: "
@@ -607,7 +381,7 @@ class DataPool:
             "SELECT COALESCE(MAX(seq) + 1, 0) FROM calls WHERE episode_id = ?", (c.episode_id,)
         ).fetchone()[0]
         conn.execute(
-            f"INSERT INTO calls ({_CALL_COLUMNS}) VALUES ({', '.join('?' * (2 + len(c.content)))})",
+            f"INSERT INTO calls ({CALL_COLUMNS}) VALUES ({', '.join('?' * (2 + len(c.content)))})",
             (c.call_id, seq, *c.content),
         )
         return int(seq), True
@@ -626,7 +400,7 @@ class DataPool:
 
     def get_call(self, call_id: str) -> Call | None:
         def rd(conn: sqlite3.Connection) -> Call | None:
-            row = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (call_id,)).fetchone()
+            row = conn.execute(f"SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?", (call_id,)).fetchone()
             return None if row is None else row_to_call(row)
 
         return self._read(rd)
@@ -638,7 +412,7 @@ class DataPool:
     def get_episode(self, episode_id: str, with_calls: bool = True) -> Episode | None:
         def rd(conn: sqlite3.Connection) -> Episode | None:
             row = conn.execute(
-                f"SELECT {_EPISODE_COLUMNS} FROM episodes WHERE episode_id = ?", (episode_id,)
+                f"SELECT {EPISODE_COLUMNS} FROM episodes WHERE episode_id = ?", (episode_id,)
             ).fetchone()
             if row is None:
                 return None
@@ -679,7 +453,7 @@ class DataPool:
         col = order[1:] if desc else order
         if col not in _ORDERS:
             raise InvalidRequestError(f"order must be one of {', '.join(_ORDERS)} (optionally '-' first), got {order!r}")
-        sql = f"SELECT {_EPISODE_COLUMNS} FROM episodes"
+        sql = f"SELECT {EPISODE_COLUMNS} FROM episodes"
         if where:
             sql += " WHERE " + " AND ".join(where)
         direction = "DESC" if desc else "ASC"
@@ -723,9 +497,9 @@ class DataPool:
         params: list[Any] = []
         if status is not None:
             if isinstance(status, (str, EpisodeStatus)):
-                statuses = [_status_value(status)]
+                statuses = [status_value(status)]
             else:
-                statuses = [_status_value(s) for s in status]
+                statuses = [status_value(s) for s in status]
             if not statuses:
                 where.append("0")
             else:
@@ -742,9 +516,9 @@ class DataPool:
     @staticmethod
     def _calls_of(conn: sqlite3.Connection, episode_ids: Sequence[str]) -> dict[str, list[Call]]:
         out: dict[str, list[Call]] = {}
-        for chunk in _chunks(list(dict.fromkeys(episode_ids)), _IN_CHUNK):
+        for chunk in chunks(list(dict.fromkeys(episode_ids)), IN_CHUNK):
             rows = conn.execute(
-                f"SELECT {_CALL_COLUMNS} FROM calls WHERE episode_id IN ({', '.join('?' * len(chunk))}) "
+                f"SELECT {CALL_COLUMNS} FROM calls WHERE episode_id IN ({', '.join('?' * len(chunk))}) "
                 "ORDER BY episode_id, seq",
                 list(chunk),
             ).fetchall()
