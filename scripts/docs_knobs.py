@@ -77,7 +77,8 @@ def render() -> str:
     out = [
         "# Configuration knobs",
         "",
-        "Generated from `src/arborl/config.py` (each loss kind's settings from `src/arborl/train/policy_losses.py`)",
+        "Generated from the section models of `src/arborl/config/` (`config/engine.py` holds `engine.*`, and so on;",
+        "each loss kind's settings come from `src/arborl/train/policy_losses.py`)",
         "by `make knobs` (`python scripts/docs_knobs.py`); a test fails when this file is stale. Set any knob in a",
         "YAML file or with `--set key.path=value`.",
         "",

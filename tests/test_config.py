@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from arborl.config import Config, ConfigError, Section, dump_config, load_config
 from docs_knobs import render
@@ -66,3 +67,23 @@ def test_every_knob_is_documented_and_knobs_md_is_fresh():
             assert field.description, f"train.loss.settings.{name} of kind {kind} has no description"
     knobs = Path(__file__).resolve().parents[1] / "docs" / "knobs.md"
     assert knobs.read_text() == render(), "docs/knobs.md is stale: run `make knobs`"
+
+
+def test_each_section_model_sits_in_the_module_named_after_its_key():
+    """A reader finds a knob next to what it configures: ``engine.*`` in config/engine.py, and so on; the
+    sections nested in one (train.loss, rollout.envs, ...) live in their parent's module."""
+    from arborl.config import known_keys
+
+    def walk(model, module):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                assert sub.__module__ == module, f"{sub.__name__} belongs in {module}"
+                walk(sub, module)
+
+    for key, field in Config.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            assert sub.__module__ == f"arborl.config.{key}", f"{key}: {sub.__name__} is in {sub.__module__}"
+            walk(sub, f"arborl.config.{key}")
+    assert "engine.spec.drafter" in known_keys() and "train.loss.settings" in known_keys()
