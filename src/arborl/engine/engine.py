@@ -1,41 +1,37 @@
 """The engine loop (synchronous core): admit, prefill with prefix reuse, decode the running batch.
 
 Continuous batching: every ``step()`` admits waiting requests into free slots (which ones: the
-scheduler, ``engine/scheduler.py``), prefills them -- skipping the longest prefix whose KV is cached --
-and then decodes one token for every running sequence. Every generated token, sampled or verified,
-takes one path (``_emit``: append, stop rules, the request's callback). Finished sequences leave at once
-and their KV goes to the prefix cache; a request whose own step fails (non-finite logits, a raising stop
-rule or callback) leaves alone. ``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
+scheduler, ``engine/scheduler.py``), prefills them (``engine/chunked_prefill.py``) -- skipping the
+longest prefix whose KV is cached -- and then decodes one token for every running sequence. Every
+generated token, sampled or verified, takes one path (``Scheduler.emit``: append, stop rules, the
+request's callback). Finished sequences leave at once and their KV goes to the prefix cache; a request
+whose own step fails (non-finite logits, a raising stop rule or callback) leaves alone.
+``update_weights`` swaps the policy between steps; sequences in flight continue, their KV is
 recomputed under the new weights, and every token is stamped with the version that produced it.
 
-With ``engine.spec.enabled`` a decode step may instead verify drafts (``engine/specdec``): one forward
-over every sequence's last token and its draft tree, then lossless acceptance; the KV of rejected
-draft tokens is dropped by not counting it (``kv_len``), and later writes overwrite it.
+With ``engine.spec.enabled`` a decode step may instead verify drafts (``SpecDecoder.verify``): one
+forward over every sequence's last token and its draft tree, then lossless acceptance.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 from torch import nn
 
 from arborl.config import EngineConfig
+from arborl.engine.chunked_prefill import prefill_chunked
 from arborl.engine.face import EngineLimits, StopRules
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
 from arborl.engine.scheduler import Scheduler
-from arborl.engine.sequence import Sequence, SeqState
+from arborl.engine.sequence import Sequence, TokenRows
 from arborl.engine.stats import EngineStats
-from arborl.engine.specdec import Draft, SpecDecoder
-from arborl.engine.specdec.verify import accept_all
+from arborl.engine.specdec import SpecDecoder
 from arborl.heap import release_free_memory
-from arborl.types import FinishReason, GenerateRequest, GenerateResult
-
-_NOT_FINITE = ("its next-token distribution is not finite (NaN / inf logits): no token can be drawn; the "
-               "other requests of the step went on")
+from arborl.types import GenerateRequest, GenerateResult
 
 
 class LLMEngine:
@@ -69,10 +65,9 @@ class LLMEngine:
         decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.stop_rules = StopRules(self.limits.eos_token_ids, config.max_seq_len, decode)
         self.prefix_cache = PrefixKVCache(config.prefix_cache_tokens if config.prefix_cache else 0)
-        self._failed: list[tuple[str, str]] = []  # (request id, why): requests that failed alone in a step
         self.stats = EngineStats()
         self.spec = SpecDecoder(self) if config.spec.enabled else None
-        self.sched = Scheduler(config, self.runner.kv, self.prefix_cache, self.stats, seed=seed,
+        self.sched = Scheduler(config, self.runner.kv, self.prefix_cache, self.stats, self.stop_rules, seed=seed,
                                on_release=self.spec.drafter.release if self.spec is not None else None)
         if owns_model and self.spec is None:  # a drafter may run the policy's modules (draft_layers): kept then
             self.runner.release_module_weights()
@@ -103,20 +98,17 @@ class LLMEngine:
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Load new weights (between steps). Returns the seconds it took, KV recompute included."""
         t0 = time.perf_counter()
-        head = {k: state[k] for k in state if k.startswith("mtp.")}  # the mtp drafter's head, published with the policy
-        if head:
-            state = {k: v for k, v in state.items() if k not in head}
-        self.runner.load_weights(state)
+        head = {k: v for k, v in state.items() if k.startswith("mtp.")}  # the mtp drafter's, published with the policy
+        self.runner.load_weights({k: v for k, v in state.items() if k not in head} if head else state)
         release_free_memory()  # the old packed weights
-        if head and self.spec is not None:
-            self.spec.update_head(head)
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
         if self.spec is not None:
-            self.spec.drafter.weights_updated()
+            self.spec.weights_updated(head)
         if self.sched.running:
             with torch.inference_mode():
-                self._prefill([(seq, seq.tokens[: seq.kv_len], 0) for seq in self.sched.running])
+                prefill_chunked(self.runner, [(seq, seq.tokens[: seq.kv_len], 0) for seq in self.sched.running],
+                                self.config.prefill_chunk_tokens, self.stats)
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
@@ -135,19 +127,14 @@ class LLMEngine:
     def export_prefix_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         """The KV of the longest cached prefix of ``tokens`` (``[layers, 2, kv_heads, n, head_dim]``,
         None when nothing is cached) and the policy version it belongs to."""
-        pieces = self.prefix_cache.lookup(tokens)
-        kv = torch.cat([p for _, p in pieces], dim=3) if pieces else None
-        return kv, self.version
+        return self.prefix_cache.prefix_kv(tokens), self.version
 
     def import_prefix_kv(self, tokens: list[int], kv: torch.Tensor, version: int) -> int:
         """Cache ``kv`` (exported by another engine) as the KV of ``tokens[:n]``; returns n, or 0 when it
         belongs to another policy version than this engine's."""
         if version != self.version or kv is None or self.prefix_cache.budget_tokens <= 0:
             return 0
-        n = min(kv.shape[3], len(tokens))
-        kv = kv.to(self.runner.device)
-        self.prefix_cache.insert(tokens[:n], lambda a, b: kv[:, :, :, a:b].clone())
-        return sum(p.shape[3] for _, p in self.prefix_cache.lookup(tokens[:n]))  # what the cache kept
+        return self.prefix_cache.insert_kv(tokens, kv.to(self.runner.device))
 
     # -- the loop ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,7 +145,7 @@ class LLMEngine:
         self._admit(finished)
         if self.sched.running:
             self._decode(finished)
-        results = [self._finish(seq) for seq in finished]
+        results = [self.sched.finish(seq) for seq in finished]
         self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
         return results
@@ -166,14 +153,13 @@ class LLMEngine:
     def take_failed(self) -> list[tuple[str, str]]:
         """The requests that failed alone since the last call, with the reason; the others of their step
         went on. Their callers get an error (``RequestFailedError``), not a result."""
-        failed, self._failed = self._failed, []
-        return failed
+        return self.sched.take_failed()
 
     def reap_aborts(self) -> list[GenerateResult]:
         """End the aborted requests now, without a decode step (a paused engine still answers aborts)."""
         finished: list[Sequence] = []
         self.sched.apply_aborts(finished)
-        return [self._finish(seq) for seq in finished]
+        return [self.sched.finish(seq) for seq in finished]
 
     def run_until_done(self) -> list[GenerateResult]:
         out: list[GenerateResult] = []
@@ -196,133 +182,35 @@ class LLMEngine:
         while self.sched.can_admit():
             wave = self.sched.take_wave()
             jobs = [(seq, seq.request.prompt_token_ids[seq.kv_len :], seq.kv_len) for seq in wave]
-            logits = self._prefill(jobs)
+            logits = prefill_chunked(self.runner, jobs, self.config.prefill_chunk_tokens, self.stats)
             for seq in wave:
                 self.prefix_cache.insert(
                     seq.request.prompt_token_ids, lambda a, b, s=seq.slot: self.runner.kv.read(s, a, b)
                 )
-            self._sample_into(wave, logits, finished)
-
-    def _prefill(self, jobs: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
-        """Run each job's tokens (from position ``start`` of its slot), packing several sequences per
-        forward and splitting long ones so no forward exceeds ``prefill_chunk_tokens``.
-        Returns the logits after each job's last token, in job order."""
-        budget = self.config.prefill_chunk_tokens
-        out: list[torch.Tensor | None] = [None] * len(jobs)
-        pending = [(i, seq, toks, start) for i, (seq, toks, start) in enumerate(jobs)]
-        while pending:
-            items, rows, rest, used = [], [], [], 0
-            for i, seq, toks, start in pending:
-                take = min(len(toks), budget - used)
-                if take <= 0:
-                    rest.append((i, seq, toks, start))
-                    continue
-                items.append((seq.slot, toks[:take], start))
-                rows.append(i if take == len(toks) else -1)
-                if take < len(toks):
-                    rest.append((i, seq, toks[take:], start + take))
-                used += take
-            logits = self.runner.prefill(items)
-            for row, i in enumerate(rows):
-                if i >= 0:
-                    out[i] = logits[row]
-            pending = rest
-        for seq, toks, start in jobs:
-            seq.kv_len = start + len(toks)
-            self.stats.prefill_tokens += len(toks)
-        return torch.stack(out)  # type: ignore[arg-type]
+            self.sched.emit(wave, self._sample(wave, logits), self.version, finished)
 
     def _decode(self, finished: list[Sequence]) -> None:
+        """One token for every running sequence, or the accepted part of its draft (a verify step)."""
         batch = list(self.sched.running)
-        if self.spec is not None:
-            drafts = self.spec.drafts(batch)
-            if drafts is not None:
-                self._verify(batch, drafts, finished)
-                return
-        logits = self.runner.decode([s.tokens[-1] for s in batch], [s.kv_len for s in batch])
-        for s in batch:
-            s.kv_len += 1
+        drafts = self.spec.drafts(batch) if self.spec is not None else None
+        if drafts is None:
+            logits = self.runner.decode([s.tokens[-1] for s in batch], [s.kv_len for s in batch])
+            for s in batch:
+                s.kv_len += 1
+            new, hidden = self._sample(batch, logits), self.runner.last_hidden[:, None]
+        else:
+            new, hidden = self.spec.verify(batch, drafts)
         self.stats.decode_step(len(batch))
-        self._sample_into(batch, logits, finished)
+        self.sched.emit(batch, new, self.version, finished)
         if self.spec is not None:
-            self.spec.observe(batch, self.runner.last_hidden[:, None])
+            self.spec.observe(batch, hidden)
 
-    def _verify(self, batch: list[Sequence], drafts: list[Draft], finished: list[Sequence]) -> None:
-        """One forward over each sequence's last token + draft tree; accept, emit, roll back the rest."""
-        assert self.spec is not None
-        starts = [s.kv_len for s in batch]
-        logits = self.runner.verify(
-            [(s.slot, s.kv_len, [s.tokens[-1]] + d.tokens, [-1] + [p + 1 for p in d.parents]) for s, d in zip(batch, drafts)]
-        )
-        results, hidden = [], []
-        t_walk = time.perf_counter()
-        walks = accept_all(logits, drafts, [s.request.params for s in batch], [s.seed for s in batch],
-                           [s.next_position for s in batch])
-        for r, (seq, d, start, acc) in enumerate(zip(batch, drafts, starts, walks)):
-            # the accepted path's KV moves to consecutive positions; anything past it is rolled back
-            self.runner.kv.copy_positions(seq.slot, [start + 1 + n for n in acc.nodes],
-                                          [start + 1 + j for j in range(len(acc.nodes))])
-            seq.kv_len = start + 1 + len(acc.nodes)  # before any release moves slots
-            self.spec.accepted(d, len(acc.nodes))
-            results.append(acc)
-            hidden.append(self.runner.last_hidden[r, [0] + [n + 1 for n in acc.nodes]])
-        self.spec.walked(time.perf_counter() - t_walk, len(batch))
-        self.stats.decode_step(len(batch))
-        self.spec.metrics.verify_steps += 1
-        for seq, acc in zip(batch, results):
-            if not all(map(math.isfinite, acc.logprobs + acc.sample_logprobs)):
-                self._fail(seq, _NOT_FINITE)
-                continue
-            for tok, lp, slp in zip(acc.tokens, acc.logprobs, acc.sample_logprobs):
-                seq.kv_len = len(seq.tokens)  # the KV of every token before the one appended now
-                if self._emit(seq, tok, lp, slp, finished):
-                    break
-        self.spec.observe(batch, hidden)
-
-    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[Sequence]) -> None:
+    @staticmethod
+    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenRows | None]:
         out = sample(logits, [s.request.params for s in seqs], [s.seed for s in seqs], [s.next_position for s in seqs])
         failed = set(out.failed)
-        for i, seq in enumerate(seqs):
-            if i in failed:
-                self._fail(seq, _NOT_FINITE)
-            else:
-                self._emit(seq, out.tokens[i], out.logprobs[i], out.sample_logprobs[i], finished)
-
-    def _emit(self, seq: Sequence, tok: int, logprob: float, sample_logprob: float, finished: list[Sequence]) -> bool:
-        """Append one generated token, apply the stop rules and the request's callback; True when the
-        sequence left the batch (finished, or failed: an error in its own stop rule or callback fails it
-        alone)."""
-        seq.append(tok, logprob, sample_logprob, self.version)
-        self.stats.generated_tokens += 1
-        try:
-            reason = self.stop_rules.reason(seq.request, seq.output, tok)
-            if seq.on_token is not None:
-                seq.on_token(seq)
-        except Exception as e:  # noqa: BLE001 - the request's own failure, reported to its caller
-            self._fail(seq, f"its stop rule or token callback raised {e!r}")
-            return True
-        if reason is None:
-            return False
-        seq.finish_reason = reason
-        self.sched.release(seq)
-        finished.append(seq)
-        return True
-
-    def _fail(self, seq: Sequence, why: str) -> None:
-        """Take ``seq`` out of the engine alone; its KV is not cached (it may be what went wrong)."""
-        if seq.slot >= 0:
-            self.sched.release(seq, cache=False)
-        self.sched.forget(seq.request_id)
-        self._failed.append((seq.request_id, f"request {seq.request_id} failed at token {len(seq.output)}: {why}"))
-
-    def _finish(self, seq: Sequence) -> GenerateResult:
-        seq.finished_at = time.perf_counter()
-        seq.state = SeqState.FINISHED
-        self.sched.forget(seq.request_id)
-        self.stats.finished += 1
-        if seq.finish_reason == FinishReason.ABORT:
-            self.stats.aborted += 1
-        return seq.result(self.engine_id)
+        return [None if i in failed else [(out.tokens[i], out.logprobs[i], out.sample_logprobs[i])]
+                for i in range(len(seqs))]
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (vLLM's names); empty when speculation is off."""

@@ -50,6 +50,19 @@ class PrefixKVCache:
         if excess > 0:
             self.tree.evict(excess)
 
+    def prefix_kv(self, tokens: list[int]) -> torch.Tensor | None:
+        """The KV of the longest cached prefix of ``tokens`` as one tensor (None when nothing is cached):
+        what one engine exports to another."""
+        pieces = self.lookup(tokens)
+        return torch.cat([kv for _, kv in pieces], dim=3) if pieces else None
+
+    def insert_kv(self, tokens: list[int], kv: torch.Tensor) -> int:
+        """Cache ``kv`` (``[layers, 2, kv_heads, n, head_dim]``, from another engine) as the KV of
+        ``tokens[:n]``; returns how many of those tokens the cache holds now."""
+        n = min(kv.shape[3], len(tokens))
+        self.insert(tokens[:n], lambda a, b: kv[:, :, :, a:b].clone())
+        return sum(piece.shape[3] for _, piece in self.lookup(tokens[:n]))
+
     def nbytes(self) -> int:
         """Bytes of the cached KV."""
         return sum(node.value.nbytes for node in self.tree.dfs() if node.value is not None)

@@ -1,5 +1,7 @@
-"""The built-in engine's scheduler: admission, the waiting queue, wave selection, aborts and slot
-release. ``LLMEngine`` keeps the forward steps and asks this which sequences run.
+"""The built-in engine's scheduler: a request's way through the engine -- admission, the waiting queue,
+wave selection, aborts, the generated tokens (``emit``: append, stop rules, the request's callback),
+slot release, and its result or failure. ``LLMEngine`` keeps the forward steps; it asks this which
+sequences run and hands it what they generated (as nano-vllm's ``Scheduler.postprocess``).
 
 Waiting requests form a heap by (-priority, arrival). A *wave* is the set admitted together into free
 slots, each with its longest cached prefix copied into its slot; a prompt sharing enough uncached
@@ -16,22 +18,27 @@ from collections.abc import Callable
 import torch
 
 from arborl.config import EngineConfig
+from arborl.engine.face import StopRules
 from arborl.engine.prefix_cache import PrefixKVCache
-from arborl.engine.sequence import Sequence, SeqState
+from arborl.engine.sequence import Sequence, SeqState, TokenRows
 from arborl.engine.stats import EngineStats
 from arborl.prefix import RadixTree
-from arborl.types import FinishReason, GenerateRequest, InvalidRequestError
+from arborl.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequestError
+
+_NOT_FINITE = ("its next-token distribution is not finite (NaN / inf logits): no token can be drawn; the "
+               "other requests of the step went on")
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv, prefix_cache: PrefixKVCache, stats: EngineStats, *,  # noqa: ANN001
-                 seed: int = 0, on_release: Callable[[Sequence], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv, prefix_cache: PrefixKVCache, stats: EngineStats,  # noqa: ANN001
+                 stop_rules: StopRules, *, seed: int = 0, on_release: Callable[[Sequence], None] | None = None) -> None:
         """``kv``: the runner's KV store (write, read, move by slot); ``on_release(seq)``: told when a sequence
         leaves its slot (the speculative drafter forgets it)."""
         self.config = config
         self.kv = kv
         self.prefix_cache = prefix_cache
         self.stats = stats
+        self.stop_rules = stop_rules
         self.on_release = on_release
         self._rng = torch.Generator().manual_seed(seed)
         self._arrivals = 0
@@ -39,6 +46,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # index == slot
         self._by_id: dict[str, Sequence] = {}
         self._aborts: set[str] = set()
+        self._failed: list[tuple[str, str]] = []  # (request id, why): requests that failed alone in a step
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, request: GenerateRequest, on_token=None) -> Sequence:  # noqa: ANN001
@@ -56,10 +64,6 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         if request_id in self._by_id:
             self._aborts.add(request_id)
-
-    def forget(self, request_id: str) -> None:
-        """The request has left the engine (finished or failed)."""
-        self._by_id.pop(request_id, None)
 
     @property
     def has_work(self) -> bool:
@@ -146,3 +150,51 @@ class Scheduler:
         seq.state = SeqState.FINISHED
         if self.on_release is not None:
             self.on_release(seq)
+
+    # -- what the sequences generated, and how they leave -------------------------------------------
+    def emit(self, seqs: list[Sequence], new: list[TokenRows | None], version: int, finished: list[Sequence]) -> None:
+        """The one path of every generated token, sampled or verified: append ``new[i]``'s tokens to
+        ``seqs[i]`` one by one (stamped ``version``), apply the stop rules and the request's callback after
+        each. A sequence leaves the batch when it finishes (into ``finished``), or fails alone: its logits
+        were not finite (``new[i]`` None), or its own stop rule or callback raised."""
+        for seq, rows in zip(seqs, new):
+            if rows is None:
+                self.fail(seq, _NOT_FINITE)
+                continue
+            for tok, logprob, sample_logprob in rows:
+                seq.kv_len = len(seq.tokens)  # the KV of every token before the one appended now
+                seq.append(tok, logprob, sample_logprob, version)
+                self.stats.generated_tokens += 1
+                try:
+                    reason = self.stop_rules.reason(seq.request, seq.output, tok)
+                    if seq.on_token is not None:
+                        seq.on_token(seq)
+                except Exception as e:  # noqa: BLE001 - the request's own failure, reported to its caller
+                    self.fail(seq, f"its stop rule or token callback raised {e!r}")
+                    break
+                if reason is not None:
+                    seq.finish_reason = reason
+                    self.release(seq)
+                    finished.append(seq)
+                    break
+
+    def fail(self, seq: Sequence, why: str) -> None:
+        """Take ``seq`` out of the engine alone; its KV is not cached (it may be what went wrong)."""
+        if seq.slot >= 0:
+            self.release(seq, cache=False)
+        self._by_id.pop(seq.request_id, None)
+        self._failed.append((seq.request_id, f"request {seq.request_id} failed at token {len(seq.output)}: {why}"))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def finish(self, seq: Sequence) -> GenerateResult:
+        """``seq`` (out of ``finished``) leaves the engine: its result."""
+        seq.finished_at = time.perf_counter()
+        seq.state = SeqState.FINISHED
+        self._by_id.pop(seq.request_id, None)
+        self.stats.finished += 1
+        if seq.finish_reason == FinishReason.ABORT:
+            self.stats.aborted += 1
+        return seq.result(self.config.engine_id)

@@ -9,6 +9,8 @@ from typing import Callable
 
 from arborl.types import FinishReason, GenerateRequest, GenerateResult
 
+TokenRows = list[tuple[int, float, float]]  # a step's new tokens of one sequence: (token, log-prob, sampling log-prob)
+
 
 class SeqState(enum.Enum):
     WAITING = "waiting"

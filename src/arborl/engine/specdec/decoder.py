@@ -1,20 +1,23 @@
 """What the engine holds when speculation is on: the drafter, the adaptive draft length (with the
 verify-cost profile) and the metrics. ``drafts`` decides, each decode step, whether to verify drafts
-and which; the engine runs the verify forward and ``verify.accept``."""
+and which; ``verify`` runs the verify forward and the acceptance walk (``verify.accept_all``) and rolls
+back the KV of rejected draft tokens; the engine emits the accepted tokens as it emits sampled ones."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
-from arborl.engine.sequence import Sequence
+from arborl.engine.sequence import Sequence, TokenRows
 from arborl.engine.specdec.adaptive import AdaptiveLength, VerifyProfile
 from arborl.engine.specdec.draft import Draft
 from arborl.engine.specdec.drafter import DRAFTERS, Drafter, EngineView
 from arborl.engine.specdec.metrics import SpecMetrics
+from arborl.engine.specdec.verify import accept_all
 from arborl.types import SamplingParams
 
 PROFILE_CONTEXT = 128  # tokens of context behind the profiled verify forwards
@@ -46,6 +49,7 @@ class SpecDecoder:
     def __init__(self, engine: EngineView, *, drafter: Drafter | None = None, profile: VerifyProfile | None = None) -> None:
         cfg = engine.config.spec
         self.config = cfg
+        self.runner = engine.runner
         self.max_seq_len = engine.config.max_seq_len
         self.eos_token_ids = frozenset(engine.eos_token_ids)
         # the runner's verify packs the trees without padding (its attention kernel): cost by actual rows
@@ -116,21 +120,45 @@ class SpecDecoder:
             for seq, r in zip(seqs, rows):
                 observe(seq, r)
 
-    def update_head(self, state: dict[str, torch.Tensor]) -> None:
-        """Published ``mtp.*`` tensors: to a drafter that has a head; others ignore them."""
-        load = getattr(self.drafter, "load_head", None)
-        if load is not None and state:
-            load(state)
-
-    def walked(self, seconds: float, seqs: int) -> None:
-        """The acceptance walk of one verify step took ``seconds`` for ``seqs`` sequences (a cost per
-        sequence that the verify profile does not hold)."""
-        self.length.record_accept_time(seconds, seqs)
+    def verify(self, batch: list[Sequence], drafts: list[Draft]) -> tuple[list[TokenRows | None], list[torch.Tensor]]:
+        """One forward over each sequence's last token and its draft tree, then acceptance. The accepted
+        path's KV moves to consecutive positions of the slot; the KV of rejected draft tokens is dropped by
+        not counting it (``kv_len``), and later writes overwrite it. Returns each sequence's tokens as
+        (token, log-prob, sampling log-prob), None where a log-prob is not finite, and the hidden rows that
+        produced them (for ``observe``)."""
+        starts = [s.kv_len for s in batch]
+        logits = self.runner.verify(
+            [(s.slot, s.kv_len, [s.tokens[-1]] + d.tokens, [-1] + [p + 1 for p in d.parents]) for s, d in zip(batch, drafts)]
+        )
+        hidden = []
+        t_walk = time.perf_counter()
+        walks = accept_all(logits, drafts, [s.request.params for s in batch], [s.seed for s in batch],
+                           [s.next_position for s in batch])
+        for r, (seq, d, start, acc) in enumerate(zip(batch, drafts, starts, walks)):
+            self.runner.kv.copy_positions(seq.slot, [start + 1 + n for n in acc.nodes],
+                                          [start + 1 + j for j in range(len(acc.nodes))])
+            seq.kv_len = start + 1 + len(acc.nodes)  # before any release moves slots
+            self.accepted(d, len(acc.nodes))
+            hidden.append(self.runner.last_hidden[r, [0] + [n + 1 for n in acc.nodes]])
+        # the walk's cost per sequence, which the verify profile does not hold
+        self.length.record_accept_time(time.perf_counter() - t_walk, len(batch))
+        self.metrics.verify_steps += 1
+        out = [list(zip(a.tokens, a.logprobs, a.sample_logprobs))
+               if all(map(math.isfinite, a.logprobs + a.sample_logprobs)) else None for a in walks]
+        return out, hidden
 
     def accepted(self, draft: Draft, n: int) -> None:
+        """``n`` of ``draft``'s tokens were accepted."""
         if len(draft):  # acceptance per draft: sequences without one are accounted for by their share
             self.length.record(n, *self._observed.get(id(draft), (None, None, None)))
             self.metrics.record(len(draft), n)
+
+    def weights_updated(self, head: dict[str, torch.Tensor]) -> None:
+        """The policy changed; ``head``: its published ``mtp.*`` tensors, to a drafter that has a head."""
+        load = getattr(self.drafter, "load_head", None)
+        if load is not None and head:
+            load(head)
+        self.drafter.weights_updated()
 
     def stats(self) -> dict:
         d = self.metrics.as_dict()
