@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arborl.config import ConfigError, known_keys, load_data, validate_config
-from arborl.extensions import REGISTRY_KNOBS, check_extensions
+from arborl.extensions import REGISTRY_KNOBS, check_extensions, kind_setting_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "arborl"
@@ -92,7 +92,7 @@ FEATURES: tuple[Feature, ...] = (
             ("rewards/shaping.py",), ("train.advantage.shaping.speed_weight", "train.advantage.shaping.speed_metric")),
     Feature("C3", "Reward-to-go: each turn's return is the reward from that turn to the episode's end, for lower "
             "variance (Forge).", ("rewards/advantages.py",),
-            ("train.advantage.estimator=reward_to_go", "train.advantage.gamma")),
+            ("train.advantage.estimator=reward_to_go", "train.advantage.settings.gamma")),
     Feature("C4", "Chunked MDP (ROLL): a chunk is the span of tokens between two environment interactions; returns, "
             "advantages and importance ratios are taken per chunk.",
             ("types.py", "train/samples.py", "rewards/advantages.py"), ("train.correction.level=chunk",),
@@ -134,7 +134,7 @@ def check(feature: Feature) -> list[str]:
             problems.append(f"{feature.label}: src/arborl/{rel} does not exist")
         elif not _tags(path, feature.label):
             problems.append(f"{feature.label}: src/arborl/{rel} does not mention {feature.label}")
-    keys = set(known_keys())
+    keys = set(known_keys()) | kind_setting_keys()
     for knob in feature.knobs:
         key, eq, value = knob.partition("=")
         if key not in keys:

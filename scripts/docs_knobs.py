@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from arborl.config import Config
 from arborl.extensions import REGISTRY_KNOBS
+from arborl.rewards import ADVANTAGE_ESTIMATORS
 from arborl.train.policy_losses import POLICY_LOSSES
 
 
@@ -45,32 +46,36 @@ def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
         out += [f"## {title}", ""] + ([doc, ""] if doc else []) + [
             "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
         if title == "train.loss":
-            _loss_settings(out)
+            _kind_settings(out, key="train.loss.settings", kind_key="train.loss.kind", registry=POLICY_LOSSES,
+                           what="loss kind", source="train/policy_losses.py")
+        if title == "train.advantage":
+            _kind_settings(out, key="train.advantage.settings", kind_key="train.advantage.estimator",
+                           registry=ADVANTAGE_ESTIMATORS, what="estimator", source="rewards/estimators.py")
     for sub_prefix, sub in subs:
         _section(sub, sub_prefix + ".", out)
 
 
-def _loss_settings(out: list[str]) -> None:
-    """``train.loss.settings`` of each registered loss kind: the fields of its ``Settings`` model."""
+def _kind_settings(out: list[str], *, key: str, kind_key: str, registry, what: str, source: str) -> None:
+    """``<key>`` of each kind registered for ``kind_key``: the fields of its ``Settings`` model."""
     out += [
-        "### train.loss.settings, per kind",
+        f"### {key}, per {what}",
         "",
-        "Each loss kind has its own settings (the fields of its `Settings` pydantic model, train/policy_losses.py);",
-        "set those of the chosen kind under `train.loss.settings`, e.g. `--set train.loss.settings.clip_high=0.3`.",
-        "A setting the chosen kind does not have, or a value its model refuses, stops the job before the model",
-        "loads, naming `train.loss.settings.<name>`. A loss of your own (`train.loss.kind=file.py:attr`) declares",
+        f"Each {what} has its own settings (the fields of its `Settings` pydantic model, {source});",
+        f"set those of the chosen one under `{key}`, e.g. `--set {key}.<name>=<value>`.",
+        f"A setting the chosen {what} does not have, or a value its model refuses, stops the job before the model",
+        f"loads, naming `{key}.<name>`. One of your own (`{kind_key}=file.py:attr`) declares",
         "its settings the same way (docs/bring-your-own.md).",
         "",
     ]
-    for kind in POLICY_LOSSES.names():
-        model = getattr(POLICY_LOSSES.get(kind), "Settings", None)
+    for kind in registry.names():
+        model = getattr(registry.get(kind), "Settings", None)
         doc = (model.__doc__ or "").strip().splitlines()[0] if model is not None and model.__doc__ else ""
-        out += [f"#### `train.loss.kind={kind}`", ""]
+        out += [f"#### `{kind_key}={kind}`", ""]
         if model is None:
             out += ["No settings.", ""]
             continue
         out += ([doc, ""] if doc else []) + ["| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [_row(f"train.loss.settings.{name}", field) for name, field in model.model_fields.items()] + [""]
+        out += [_row(f"{key}.{name}", field) for name, field in model.model_fields.items()] + [""]
 
 
 def render() -> str:
@@ -78,7 +83,8 @@ def render() -> str:
         "# Configuration knobs",
         "",
         "Generated from the section models of `src/arborl/config/` (`config/engine.py` holds `engine.*`, and so on;",
-        "each loss kind's settings come from `src/arborl/train/policy_losses.py`)",
+        "each loss kind's settings come from `src/arborl/train/policy_losses.py`, each estimator's from",
+        "`src/arborl/rewards/estimators.py`)",
         "by `make knobs` (`python scripts/docs_knobs.py`); a test fails when this file is stale. Set any knob in a",
         "YAML file or with `--set key.path=value`.",
         "",

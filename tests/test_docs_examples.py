@@ -23,7 +23,7 @@ from arborl.config import Config, Section, load_config
 from arborl.datapool import DataPool
 from arborl.extensions import check_extensions
 from arborl.run.job import train
-from arborl.train.policy_losses import POLICY_LOSSES
+from arborl.extensions import kind_setting_keys
 from helpers.blackbox_gateway import ADMIN_KEY, start_harness
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,14 +154,8 @@ def _knob_paths(model: type[Section], prefix: str = "") -> set[str]:
     return out
 
 
-def _loss_setting_paths() -> set[str]:
-    """train.loss.settings.<name> of every registered loss kind."""
-    models = [getattr(POLICY_LOSSES.get(k), "Settings", None) for k in POLICY_LOSSES.names()]
-    return {f"train.loss.settings.{name}" for m in models if m is not None for name in m.model_fields}
-
-
 def test_every_knob_the_docs_name_exists():
-    knobs = _knob_paths(Config) | _loss_setting_paths()
+    knobs = _knob_paths(Config) | kind_setting_keys()
     sections = "|".join(sorted({k.split(".")[0] for k in knobs if "." in k}))
     named = re.compile(rf"`((?:{sections})\.[a-z_][a-z0-9_.]*)(?=[`=\s,)])")  # not module paths (train.losses.X)
     files = (".sqlite", ".md", ".py", ".yaml", ".json", ".jsonl", ".png")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from arborl.config import AdvantageConfig, Config, load_config, ConfigError
-from arborl.rewards import ADVANTAGE_ESTIMATORS, grpo_advantages, rloo_advantages, turn_rewards, whiten
+from arborl.extensions import check_extensions
+from arborl.rewards import ADVANTAGE_ESTIMATORS, estimate, grpo_advantages, resolve_estimator, rloo_advantages, turn_rewards, whiten
 
 EPS = 1e-6
 
@@ -73,9 +74,11 @@ def close(got, expect, tol=1e-10):
     assert torch.allclose(got, torch.tensor(expect, dtype=torch.float64), rtol=tol, atol=tol), (got, expect)
 
 
-def run(name, R, turns, gids, **cfg):
-    est = ADVANTAGE_ESTIMATORS.get(name)
-    return est(torch.tensor(R, dtype=torch.float64), turns, gids, AdvantageConfig(estimator=name, **cfg))
+def run(name, R, turns, gids, gamma=None, **cfg):
+    """The estimator as the trainer calls it: its own settings (gamma) and the shared normalisation knobs."""
+    settings = {} if gamma is None else {"gamma": gamma}
+    return estimate(AdvantageConfig(estimator=name, settings=settings, **cfg), torch.tensor(R, dtype=torch.float64),
+                    turns, gids)
 
 
 # ------------------------------------------------------------------------------ outcome-only estimators
@@ -187,18 +190,38 @@ def test_auto_is_grpo_without_process_rewards_and_discounted_reward_to_go_with_t
     R, turns, proc, gids = batch(1, process=False)
     assert torch.equal(run("auto", R, turns, gids), run("grpo", R, turns, gids))
     R, turns, proc, gids = batch(1, process=True)
-    got = run("auto", R, turns, gids, auto_gamma=0.5)
+    got = run("auto", R, turns, gids, gamma=0.5)
     assert torch.allclose(got, run("reward_to_go", R, turns, gids, gamma=0.5))
-    # auto_gamma reaches auto only (reward_to_go reads gamma), and only where process rewards exist
-    assert not torch.allclose(got, run("auto", R, turns, gids, auto_gamma=0.9))
-    assert torch.equal(run("reward_to_go", R, turns, gids, auto_gamma=0.5), run("reward_to_go", R, turns, gids))
+    # auto's own gamma (default 0.9) acts, and only where process rewards exist
+    assert not torch.allclose(got, run("auto", R, turns, gids))
+    assert torch.allclose(run("auto", R, turns, gids), run("reward_to_go", R, turns, gids, gamma=0.9))
     R0, t0, _, g0 = batch(1, process=False)
-    assert torch.equal(run("auto", R0, t0, g0, auto_gamma=0.5), run("auto", R0, t0, g0, auto_gamma=0.9))
+    assert torch.equal(run("auto", R0, t0, g0, gamma=0.5), run("auto", R0, t0, g0, gamma=0.9))
+
+
+def test_an_estimator_takes_its_own_settings_checked_like_a_loss_kind():
+    """train.advantage.settings is checked against the chosen estimator's Settings model before any work,
+    and the flat keys it replaced say where they went."""
+    assert resolve_estimator(AdvantageConfig(estimator="reward_to_go"))[1] == {"gamma": 1.0}
+    assert resolve_estimator(AdvantageConfig(estimator="auto"))[1] == {"gamma": 0.9}
+    assert resolve_estimator(AdvantageConfig(estimator="grpo"))[1] == {}
+    with pytest.raises(ConfigError, match="train.advantage.settings.gamma: not a setting of "
+                                          "train.advantage.estimator=grpo; it has none"):
+        resolve_estimator(AdvantageConfig(estimator="grpo", settings={"gamma": 0.5}))
+    with pytest.raises(ConfigError, match="train.advantage.settings.gamma: Input should be less than or equal to 1"):
+        resolve_estimator(AdvantageConfig(estimator="reward_to_go", settings={"gamma": 2}))
+    with pytest.raises(ConfigError, match="train.advantage.settings.gama: not a setting of "
+                                          "train.advantage.estimator=reinforce_pp; its settings are gamma"):
+        check_extensions(load_config(None, ["train.advantage.estimator=reinforce_pp",
+                                            "train.advantage.settings.gama=0.5"]))
+    for old in ("gamma", "auto_gamma"):
+        with pytest.raises(ConfigError, match=f"{old} moved: set train.advantage.settings.gamma"):
+            load_config(None, [f"train.advantage.{old}=0.5"])
 
 
 def test_config_defaults_and_group_relative_estimators():
     cfg = Config().train.advantage
-    assert cfg.estimator == "auto" and cfg.std == "unbiased" and cfg.auto_gamma < 1.0
+    assert cfg.estimator == "auto" and cfg.std == "unbiased" and resolve_estimator(cfg)[1]["gamma"] < 1.0
     for name in ("rloo", "reinforce_pp", "reinforce_pp_baseline", "auto"):
         assert name in ADVANTAGE_ESTIMATORS
     for name in ("rloo", "reinforce_pp_baseline", "auto"):

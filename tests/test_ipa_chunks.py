@@ -11,7 +11,7 @@ import torch
 
 from arborl.config import AdvantageConfig, LossConfig, TrainConfig
 from arborl.models import tiny_llama
-from arborl.rewards import ADVANTAGE_ESTIMATORS
+from arborl.rewards import estimate
 from arborl.rewards.chunk_returns import chunk_return_advantages, chunk_returns
 from arborl.train.samples import build_samples
 from arborl.train.trainer import Trainer
@@ -39,9 +39,8 @@ def test_chunk_returns_match_reference(gamma, std_normalize):
     groups = ["a", "b", "c"] * 3
     want = ref_advantages(rewards, chunks, groups, gamma, std_normalize)
     got = chunk_return_advantages(rewards, chunks, groups, gamma=gamma, std_normalize=std_normalize)
-    est = ADVANTAGE_ESTIMATORS.get("chunk_returns")(
-        torch.tensor(rewards, dtype=torch.float64), [[0.0] * k for k in chunks], groups,
-        AdvantageConfig(estimator="chunk_returns", gamma=gamma, std_normalize=std_normalize))
+    est = estimate(AdvantageConfig(estimator="chunk_returns", settings={"gamma": gamma}, std_normalize=std_normalize),
+                   torch.tensor(rewards, dtype=torch.float64), [[0.0] * k for k in chunks], groups)
     for n, row in enumerate(want):
         assert got[n, : len(row)].tolist() == pytest.approx(row, rel=1e-12, abs=1e-12)
         assert got[n, len(row):].abs().sum() == 0  # nothing past the episode's last chunk
@@ -72,7 +71,7 @@ def episode(eid: str, group: str, reward: float, turns: int) -> Episode:
 
 def test_build_samples_places_each_chunk_return_on_its_chunk():
     eps = [episode("a", "g", 1.0, 3), episode("b", "g", 0.0, 2), episode("c", "g", 1.0, 1)]
-    cfg = AdvantageConfig(estimator="chunk_returns", gamma=0.5, std_normalize=False)
+    cfg = AdvantageConfig(estimator="chunk_returns", settings={"gamma": 0.5}, std_normalize=False)
     samples, _ = build_samples(eps, cfg)
     want = ref_advantages([1.0, 0.0, 1.0], [3, 2, 1], ["g"] * 3, 0.5, False)
     assert [s.episode_id for s in samples] == ["a", "b", "c"]

@@ -326,14 +326,35 @@ def test_every_registered_loss_runs_with_its_default_settings():
         assert met["loss/ratio_std"] > 0
 
 
-def test_a_loss_settings_defaults_are_its_functions_defaults():
-    """The settings model is what the trainer passes; the function's own defaults serve direct calls: one value."""
+def test_a_loss_setting_default_is_written_once_in_its_settings_model():
+    """The settings model holds each default; the function's keywords have none, and a direct call that
+    leaves them out gets the model's defaults (what the trainer passes)."""
+    logp, old, adv, mask, chunks, rollout = data(0)
+    context = {"mask": mask > 0, "chunk_ids": chunks, "rollout_logprobs": rollout}
     for kind in POLICY_LOSSES.names():
         fn = POLICY_LOSSES.get(kind)
         model = getattr(fn, "Settings", None)
         if model is None:
             continue
         params = inspect.signature(fn).parameters
-        for name, field in model.model_fields.items():
+        for name in model.model_fields:
             assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (kind, name)
-            assert params[name].default == field.default, (kind, name)
+            assert params[name].default is inspect.Parameter.empty, (kind, name)
+        ctx = {k: v for k, v in context.items() if k in params}
+        bare, _ = fn(logp, old, adv, **ctx)
+        explicit, _ = fn(logp, old, adv, **ctx, **model().model_dump())
+        assert torch.equal(bare, explicit), kind
+
+
+def test_with_settings_refuses_a_setting_the_function_does_not_take():
+    from pydantic import BaseModel
+
+    from arborl.config.kinds import with_settings
+
+    class Settings(BaseModel):
+        clip: float = 0.2
+
+    with pytest.raises(TypeError, match="clip"):
+        @with_settings(Settings)
+        def loss(logp, old_logp, advantages, *, scale):
+            return logp

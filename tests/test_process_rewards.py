@@ -112,8 +112,8 @@ def test_outcome_and_process_weights_scale_their_parts():
 
 def test_auto_picks_reward_to_go_for_process_rewards():
     eps = [episode("a", "g", 1.0, process=[("c1", 0.5)]), episode("b", "g", 0.0)]
-    auto, _ = build_samples(eps, AdvantageConfig(auto_gamma=0.5))
-    rtg, _ = build_samples(eps, AdvantageConfig(estimator="reward_to_go", gamma=0.5))
+    auto, _ = build_samples(eps, AdvantageConfig(settings={"gamma": 0.5}))
+    rtg, _ = build_samples(eps, AdvantageConfig(estimator="reward_to_go", settings={"gamma": 0.5}))
     assert [s.advantages for s in auto] == [s.advantages for s in rtg]
     assert "auto" in ADVANTAGE_ESTIMATORS and torch.is_tensor(torch.tensor(auto[0].advantages))
 

@@ -75,7 +75,7 @@ def test_samples_keep_both_log_probs_and_the_trainer_picks_by_temperature():
 
 def test_a_user_estimator_from_a_file_is_reached_by_its_path(tmp_path):
     f = tmp_path / "my_estimator.py"
-    f.write_text("import torch\n\ndef best_only(rewards, turns, groups, cfg):\n"
+    f.write_text("import torch\n\ndef best_only(rewards, turns, groups):\n"
                  "    return (rewards == rewards.max()).to(torch.float64) * 2.0\n")
     eps = [episode("a", "g", 1.0), episode("b", "g", 0.0)]
     samples, _ = build_samples(eps, AdvantageConfig(estimator=f"{f}:best_only"))

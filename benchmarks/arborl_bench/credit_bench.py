@@ -65,8 +65,8 @@ BASE = [
 CREDIT = {
     "grpo_outcome": ["train.advantage.estimator=grpo", "train.advantage.shaping.process_weight=0"],
     "grpo_process": ["train.advantage.estimator=grpo"],
-    "rtg": ["train.advantage.estimator=reward_to_go", "train.advantage.gamma=0.9"],
-    "ipa": ["train.advantage.estimator=chunk_returns", "train.loss.kind=ipa", "train.advantage.gamma=0.9"],
+    "rtg": ["train.advantage.estimator=reward_to_go", "train.advantage.settings.gamma=0.9"],
+    "ipa": ["train.advantage.estimator=chunk_returns", "train.loss.kind=ipa", "train.advantage.settings.gamma=0.9"],
 }
 
 

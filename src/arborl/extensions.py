@@ -8,7 +8,7 @@ from arborl.config import Config, ConfigError
 from arborl.engine.backends import ENGINE_BACKENDS
 from arborl.engine.specdec import DRAFTERS
 from arborl.registry import Registry, RegistryError
-from arborl.rewards import ADVANTAGE_ESTIMATORS
+from arborl.rewards import ADVANTAGE_ESTIMATORS, resolve_estimator
 from arborl.scheduling.consume import CONSUME_POLICIES
 from arborl.scheduling.dispatch import DISPATCH_POLICIES
 from arborl.tasks import TASK_SUITES
@@ -29,6 +29,22 @@ REGISTRY_KNOBS: dict[str, Registry] = {
     "engine.backend": ENGINE_BACKENDS,
 }
 
+# a kind's own settings: settings key -> (the knob choosing the kind, its registry)
+KIND_SETTINGS: dict[str, tuple[str, Registry]] = {
+    "train.loss.settings": ("train.loss.kind", POLICY_LOSSES),
+    "train.advantage.settings": ("train.advantage.estimator", ADVANTAGE_ESTIMATORS),
+}
+
+
+def kind_setting_keys() -> set[str]:
+    """``<settings key>.<name>`` of every setting of every registered kind (``train.loss.settings.clip_high``)."""
+    out = set()
+    for key, (_, registry) in KIND_SETTINGS.items():
+        for kind in registry.names():
+            model = getattr(registry.get(kind), "Settings", None)
+            out |= {f"{key}.{name}" for name in (model.model_fields if model is not None else ())}
+    return out
+
 
 def knob_value(cfg: Config, key: str) -> str:
     node = cfg
@@ -39,11 +55,12 @@ def knob_value(cfg: Config, key: str) -> str:
 
 def check_extensions(cfg: Config) -> None:
     """Resolve every extension knob of ``cfg``; a name that is neither registered nor a loadable path
-    raises ConfigError naming the key. The loss's settings (``train.loss.settings``) are validated by
-    the chosen kind's own model: a ConfigError names the setting."""
+    raises ConfigError naming the key. The loss's and the estimator's own settings (``train.loss.settings``,
+    ``train.advantage.settings``) are validated by the chosen kind's model: a ConfigError names the setting."""
     for key, registry in REGISTRY_KNOBS.items():
         try:
             registry.get(knob_value(cfg, key))
         except RegistryError as e:
             raise ConfigError(f"{key}: {e}") from None
     resolve_loss(cfg.train.loss)
+    resolve_estimator(cfg.train.advantage)

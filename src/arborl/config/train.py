@@ -41,7 +41,7 @@ class RewardShapingConfig(Section):
 
 
 class AdvantageConfig(Section):
-    """Advantage estimation from rewards (rewards/advantages.py): GRPO, Dr.GRPO, RLOO, REINFORCE++,
+    """Advantage estimation from rewards (rewards/estimators.py): GRPO, Dr.GRPO, RLOO, REINFORCE++,
     reward-to-go (C3), process rewards on their turns (C1)."""
 
     estimator: str = Field(
@@ -51,7 +51,7 @@ class AdvantageConfig(Section):
         "leave-one-out baseline (+ process as grpo); reinforce_pp / reinforce_pp_baseline = REINFORCE++ turn "
         "returns whitened over the batch, without / with the group-mean baseline; reward_to_go = per-turn returns "
         "(reward from the turn to the episode's end) minus the group mean, one value per turn/chunk (C3, C4); "
-        "auto = reward_to_go with auto_gamma when the batch has process rewards, else grpo (the default since "
+        "auto = reward_to_go (its own gamma, 0.9) when the batch has process rewards, else grpo (the default since "
         "process rewards exist; was grpo); or a path to your own, package.module:attr or path/to/file.py:attr",
     )
     std_normalize: bool = Field(
@@ -65,11 +65,12 @@ class AdvantageConfig(Section):
         "since issue 15, was population); population = divide by G",
     )
     eps: float = Field(1e-6, gt=0, description="added to the group std before dividing (reward units)")
-    gamma: float = Field(
-        1.0, ge=0, le=1, description="discount per turn of reward_to_go and REINFORCE++ returns (1 = undiscounted)"
-    )
-    auto_gamma: float = Field(
-        0.9, ge=0, le=1, description="discount per turn of reward_to_go when estimator=auto picks it (C3)"
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the chosen estimator's own settings, e.g. {gamma: 0.9} for reward_to_go (--set "
+        "train.advantage.settings.gamma=0.9); each estimator's are listed in the section below (a user's estimator: "
+        "the fields of its `Settings` pydantic model). Checked against the estimator before the model loads; unset "
+        "ones take the estimator's defaults",
     )
     shaping: RewardShapingConfig = Field(
         default_factory=RewardShapingConfig,
@@ -81,6 +82,25 @@ class AdvantageConfig(Section):
     zero_variance_tol: float = Field(
         0.0, ge=0, description="a group whose max - min reward is <= this counts as zero-variance (reward units)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, (kinds, name) in MOVED_ADVANTAGE_KEYS.items():
+                if key in data:
+                    raise ValueError(
+                        f"{key} moved: set train.advantage.settings.{name} (a setting of train.advantage.estimator "
+                        f"{kinds}; each estimator has its own settings now, docs/knobs.md)"
+                    )
+        return data
+
+
+# the flat advantage keys of before train.advantage.settings: old key -> (the estimators it belonged to, its name there)
+MOVED_ADVANTAGE_KEYS: dict[str, tuple[str, str]] = {
+    "gamma": ("reward_to_go, reinforce_pp, reinforce_pp_baseline, chunk_returns", "gamma"),
+    "auto_gamma": ("auto", "gamma"),
+}
 
 
 # the flat loss keys of before train.loss.settings: old key -> (the kinds it belonged to, its name there)

@@ -2,8 +2,6 @@
 REINFORCE++, reward-to-go, auto)."""
 
 from arborl.rewards.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    Estimator,
     broadcast_to_tokens,
     group_index,
     grpo_advantages,
@@ -16,9 +14,16 @@ from arborl.rewards.advantages import (
     rloo_advantages,
     subtract_baseline,
     whiten,
-    with_process,
     zero_variance_groups,
     zero_variance_mask,
+)
+from arborl.rewards.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    Estimator,
+    GroupNorm,
+    estimate,
+    resolve_estimator,
+    with_process,
 )
 from arborl.rewards.chunk_returns import chunk_return_advantages, chunk_returns  # registers chunk_returns
 from arborl.rewards.outcome import turn_rewards
@@ -28,6 +33,9 @@ __all__ = [
     "chunk_return_advantages",
     "chunk_returns",
     "Estimator",
+    "GroupNorm",
+    "estimate",
+    "resolve_estimator",
     "broadcast_to_tokens",
     "group_index",
     "grpo_advantages",

@@ -21,15 +21,8 @@ are outside the loss mask and receive 0.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol
-
 import torch
 from torch import Tensor
-
-from arborl.registry import Registry
-
-if TYPE_CHECKING:
-    from arborl.config import AdvantageConfig
 
 GroupIds = Sequence[Hashable] | Tensor
 TurnRewards = Sequence[Sequence[float]] | Tensor
@@ -177,7 +170,7 @@ def pad_turns(step_rewards: Sequence[Sequence[float]], dtype: torch.dtype | None
     return out, mask
 
 
-def _turns(step_rewards: TurnRewards, turn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def as_turns(step_rewards: TurnRewards, turn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
     if isinstance(step_rewards, Tensor):
         r = _as_float(step_rewards)
         if r.dim() != 2:
@@ -198,7 +191,7 @@ def reward_to_go(step_rewards: TurnRewards, *, gamma: float = 1.0, turn_mask: Te
     padded [N, K] tensor whose padding is excluded by ``turn_mask`` (or is zero). Returns G [N, K],
     0 on padding.
     """
-    r, m = _turns(step_rewards, turn_mask)
+    r, m = as_turns(step_rewards, turn_mask)
     out = torch.zeros_like(r)
     running = r.new_zeros(r.shape[0])
     for t in range(r.shape[1] - 1, -1, -1):
@@ -255,7 +248,7 @@ def reward_to_go_advantages(
     unbiased: bool = False,
 ) -> Tensor:
     """reward_to_go then the group-mean baseline: per-turn advantages A [N, K] (0 on padding)."""
-    r, m = _turns(step_rewards, turn_mask)
+    r, m = as_turns(step_rewards, turn_mask)
     returns = reward_to_go(r, gamma=gamma, turn_mask=m)
     return subtract_baseline(returns, group_ids, turn_mask=m, std_normalize=std_normalize, eps=eps, unbiased=unbiased)
 
@@ -295,7 +288,7 @@ def process_rewards(rewards: Sequence[float] | Tensor, turns: TurnRewards) -> tu
     """The process part of per-turn rewards: ``(p [N, K] float64, turn_mask [N, K])`` where ``turns`` are
     :func:`arborl.rewards.outcome.turn_rewards` (process reward of each turn, the outcome R added to the
     last turn), so p is ``turns`` with R taken off the last turn. 0 on padding."""
-    p, m = _turns(turns, None)
+    p, m = as_turns(turns, None)
     p = p.to(torch.float64).clone()
     r = _as_f64(rewards)[0].reshape(-1)
     if p.shape[0] != r.numel():
@@ -327,100 +320,6 @@ def process_advantages(
                              unbiased=unbiased)
 
 
-def with_process(outcome_adv: Tensor, rewards: Tensor, turns: TurnRewards, group_ids: GroupIds | None,
-                 cfg: "AdvantageConfig") -> Tensor:
-    r"""A per-episode advantage A_n plus the normalised process reward of each turn (C1):
-
-        A_{n,k} = A_n + P_{n,k}        (:func:`process_advantages`; [N, K])
-
-    so the outcome's credit reaches every turn of the episode and a turn's own process reward moves only
-    that turn's tokens. Without any non-zero process reward in the batch this is A_n itself ([N])."""
-    p, m = process_rewards(rewards, turns)
-    if not bool((p != 0).any()):
-        return outcome_adv
-    term = process_advantages(p, m, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps,
-                              unbiased=cfg.std == "unbiased")
-    return torch.where(m, outcome_adv.to(torch.float64)[:, None] + term, 0.0)
-
-
 def has_process_rewards(rewards: Tensor, turns: TurnRewards) -> bool:
     """True when any episode carries a non-zero process reward."""
     return bool((process_rewards(rewards, turns)[0] != 0).any())
-
-
-# ----------------------------------------------------------------------------- estimators by name
-
-
-class Estimator(Protocol):
-    """An advantage estimator (``train.advantage.estimator``): outcome rewards R [N] (float64), the
-    per-turn rewards of each episode (process rewards, outcome on the last turn), the group ids and
-    the advantage config -> one advantage per episode [N] or one per turn [N, K] (0 past an
-    episode's last turn). Turn k is chunk k of the episode's samples (C4)."""
-
-    def __call__(self, rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
-                 cfg: "AdvantageConfig") -> Tensor: ...
-
-
-ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
-
-
-@ADVANTAGE_ESTIMATORS.register("grpo")
-def grpo_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
-    """GRPO (Dr.GRPO without std normalisation) on the outcome reward, plus the group-normalised process
-    reward of each turn when there are process rewards (:func:`with_process`)."""
-    adv = grpo_advantages(rewards, group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps,
-                          unbiased=cfg.std == "unbiased")
-    return with_process(adv, rewards, turns, group_ids, cfg)
-
-
-@ADVANTAGE_ESTIMATORS.register("rloo")
-def rloo_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
-    """RLOO on the outcome reward (leave-one-out group baseline), plus the group-normalised process
-    reward of each turn when there are process rewards."""
-    return with_process(rloo_advantages(rewards, group_ids), rewards, turns, group_ids, cfg)
-
-
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
-def reinforce_pp_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
-                           cfg: "AdvantageConfig") -> Tensor:
-    r"""REINFORCE++ (Hu 2025; verl ``reinforce_plus_plus`` without the KL-in-reward): discounted returns
-    of every turn, normalised over the whole batch, no baseline:
-
-        A_{n,k} = whiten(G)_{n,k},   G_{n,k} = sum_{j>=k} gamma^{j-k} r_{n,j}
-
-    (process rewards included; ``gamma`` the knob). Each turn counts once in the batch statistics
-    (verl counts each token)."""
-    r, m = _turns(turns, None)
-    return whiten(reward_to_go(r, gamma=cfg.gamma, turn_mask=m), m, eps=cfg.eps)
-
-
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
-                                    cfg: "AdvantageConfig") -> Tensor:
-    r"""REINFORCE++-baseline (verl ``reinforce_plus_plus_baseline``): the turn returns minus their group
-    mean (the GRPO baseline without its std), then normalised over the whole batch:
-
-        A = whiten(G - mean_{g(n)} G)
-
-    With outcome rewards only and gamma = 1 this is verl's (R - group mean) whitened over the batch."""
-    r, m = _turns(turns, None)
-    centred = subtract_baseline(reward_to_go(r, gamma=cfg.gamma, turn_mask=m), group_ids, turn_mask=m)
-    return whiten(centred, m, eps=cfg.eps)
-
-
-@ADVANTAGE_ESTIMATORS.register("reward_to_go")
-def reward_to_go_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
-                           cfg: "AdvantageConfig") -> Tensor:
-    """Reward-to-go from each turn minus the group mean (C3), one value per turn (C4)."""
-    return reward_to_go_advantages(turns, group_ids, gamma=cfg.gamma, std_normalize=cfg.std_normalize, eps=cfg.eps,
-                                   unbiased=cfg.std == "unbiased")
-
-
-@ADVANTAGE_ESTIMATORS.register("auto")
-def auto_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, cfg: "AdvantageConfig") -> Tensor:
-    """reward_to_go discounted by ``auto_gamma`` when any episode of the batch has a process reward (C3: the
-    multi-turn default), else GRPO on the outcome."""
-    if has_process_rewards(rewards, turns):
-        return reward_to_go_advantages(turns, group_ids, gamma=cfg.auto_gamma, std_normalize=cfg.std_normalize,
-                                       eps=cfg.eps, unbiased=cfg.std == "unbiased")
-    return grpo_estimator(rewards, turns, group_ids, cfg)

@@ -20,15 +20,12 @@ episode the same return: group-mean outcome advantages, each chunk weighted by i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from arborl.rewards.advantages import ADVANTAGE_ESTIMATORS, GroupIds, subtract_baseline
-
-if TYPE_CHECKING:
-    from arborl.config import AdvantageConfig
+from arborl.config.kinds import with_settings
+from arborl.rewards.advantages import GroupIds, subtract_baseline
+from arborl.rewards.estimators import ADVANTAGE_ESTIMATORS, GroupNorm, ReturnSettings
 
 
 def chunk_returns(
@@ -67,9 +64,10 @@ def chunk_return_advantages(
 
 
 @ADVANTAGE_ESTIMATORS.register("chunk_returns")
-def chunk_returns_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds,
-                            cfg: "AdvantageConfig") -> Tensor:
+@with_settings(ReturnSettings)
+def chunk_returns_estimator(rewards: Tensor, turns: Sequence[Sequence[float]], group_ids: GroupIds, *,
+                            gamma: float, norm: GroupNorm) -> Tensor:
     """IPA's chunk returns (C4): gamma^(distance to the end) x outcome reward per chunk, group-baselined;
-    one value per chunk (turn k = chunk k). Uses ``advantage.gamma``, ``std_normalize`` and ``eps``."""
-    return chunk_return_advantages(rewards, [len(t) for t in turns], group_ids, gamma=cfg.gamma,
-                                   std_normalize=cfg.std_normalize, eps=cfg.eps)
+    one value per chunk (turn k = chunk k). Uses its ``gamma`` and the shared ``std_normalize`` and ``eps``."""
+    return chunk_return_advantages(rewards, [len(t) for t in turns], group_ids, gamma=gamma,
+                                   std_normalize=norm.std_normalize, eps=norm.eps)

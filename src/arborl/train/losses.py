@@ -23,15 +23,13 @@ never leak a NaN into the loss or its gradient. An all-masked batch gives loss 0
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
-from arborl.config import ConfigError, LossConfig
-from arborl.registry import RegistryError
+from arborl.config import LossConfig
+from arborl.config.kinds import named_context, resolve_kind
 from arborl.train.policy_losses import POLICY_LOSSES, TokenLoss
 from arborl.train.ratio import clamp_log_ratio, importance_ratio
 
@@ -151,51 +149,13 @@ def _masked_stats(x: Tensor, m: Tensor) -> tuple[float, float, float]:
 CONTEXT = ("mask", "chunk_ids", "rollout_logprobs")
 
 
-def _setting_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(["train.loss.settings", *(str(p) for p in e["loc"])])
-        lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
-    return "; ".join(lines)
-
-
 def resolve_loss(cfg: LossConfig) -> tuple[TokenLoss, dict[str, Any]]:
     """The token loss ``cfg.kind`` names and its settings, validated by its ``Settings`` model (defaults
     filled in), as the keyword arguments it is called with. Raises :class:`ConfigError` naming the key:
     ``train.loss.kind`` (no such loss) or ``train.loss.settings.<field>`` (not one of the kind's settings,
     or a value its model refuses)."""
-    try:
-        token_loss = POLICY_LOSSES.get(cfg.kind)
-    except RegistryError as e:
-        raise ConfigError(f"train.loss.kind: {e}") from None
-    model: type[BaseModel] | None = getattr(token_loss, "Settings", None)
-    fields = list(model.model_fields) if model is not None else []
-    unknown = sorted(set(cfg.settings) - set(fields))
-    if unknown:
-        has = f"its settings are {', '.join(fields)}" if fields else (
-            "it has none (a loss declares its own as a pydantic model, its `Settings` attribute)")
-        raise ConfigError(
-            f"train.loss.settings.{unknown[0]}: not a setting of train.loss.kind={cfg.kind}; {has} "
-            "(docs/knobs.md, train.loss.settings)"
-        )
-    if model is None:
-        return token_loss, {}
-    if clash := set(fields) & set(CONTEXT):
-        raise ConfigError(f"train.loss.kind={cfg.kind}: a setting may not be called {', '.join(sorted(clash))} "
-                          "(policy_loss passes that tensor under its name)")
-    try:
-        settings = model.model_validate(cfg.settings)
-    except ValidationError as e:
-        raise ConfigError(_setting_errors(e)) from None
-    return token_loss, {name: getattr(settings, name) for name in fields}
-
-
-def _context(token_loss: TokenLoss, given: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
-    """The tensors of ``given`` the loss's signature names (all of them for a ``**kwargs`` loss)."""
-    params = inspect.signature(token_loss).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return given
-    return {k: v for k, v in given.items() if k in params}
+    return resolve_kind(POLICY_LOSSES, cfg.kind, cfg.settings, kind_key="train.loss.kind",
+                        settings_key="train.loss.settings", context=CONTEXT)
 
 
 def policy_loss(
@@ -246,7 +206,7 @@ def policy_loss(
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
     rollout = None if rollout_logprobs is None else torch.where(m, rollout_logprobs.detach(), torch.zeros_like(logp))
-    context = _context(token_loss, {"mask": m, "chunk_ids": chunk_ids, "rollout_logprobs": rollout})
+    context = named_context(token_loss, {"mask": m, "chunk_ids": chunk_ids, "rollout_logprobs": rollout})
     pg_tok, clipped = token_loss(logp, old, adv, **context, **settings)
     if weights is not None:
         pg_tok = pg_tok * torch.where(m, weights.detach(), torch.zeros_like(pg_tok))

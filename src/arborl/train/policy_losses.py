@@ -21,8 +21,10 @@ bool masks of tokens whose clip (or selection) is active:
 cov_t = (A_t - mean A)(logp_t - mean logp) over the loss tokens of the (micro-)batch the loss sees.
 
 **One loss = one function + its settings.** A loss's own knobs are the fields of a small pydantic
-model, its ``Settings`` attribute (``@with_settings(Model)``), set under ``train.loss.settings`` and
-validated when the config is checked; they reach the function as keyword arguments of the same names.
+model, its ``Settings`` attribute (``@with_settings(Model)``, config/kinds.py), set under
+``train.loss.settings`` and validated when the config is checked; they reach the function as keyword
+arguments of the same names. A setting's default is written once, in the model: the function's
+keywords have none, and ``with_settings`` fills the ones a caller leaves out.
 The function also gets, as keywords, those of ``mask`` (bool [B, T]), ``chunk_ids`` and
 ``rollout_logprobs`` ([B, T]) its signature names. A user's ``module:attr`` / ``file.py:attr`` loss
 works the same way (a ``Settings`` attribute, or none: no settings).
@@ -37,13 +39,13 @@ carries the gradient of the chunk's mean log-ratio, as ROLL's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor
 
+from arborl.config.kinds import KindSettings, with_settings
 from arborl.registry import Registry
 from arborl.train.ratio import chunk_mean, clamp_log_ratio, importance_ratio
 
@@ -63,23 +65,7 @@ class TokenLoss(Protocol):
 POLICY_LOSSES: Registry[TokenLoss] = Registry("policy loss")
 
 
-class LossSettings(BaseModel):
-    """Base of a built-in loss's settings (``train.loss.settings``): typed, frozen, unknown keys refused."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def with_settings(model: type[BaseModel]) -> Callable[[F], F]:
-    """Decorator: ``model`` is the loss's ``Settings`` (its fields are the function's keyword settings)."""
-
-    def attach(fn: F) -> F:
-        fn.Settings = model  # type: ignore[attr-defined]
-        return fn
-
-    return attach
+LossSettings = KindSettings  # base of a built-in loss's settings: typed, frozen, unknown keys refused
 
 
 def _need_mask(kind: str, mask: Tensor | None) -> Tensor:
@@ -150,9 +136,9 @@ def ppo_clip_token_loss(
     old_logp: Tensor,
     adv: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
 ) -> tuple[Tensor, Clipped]:
     r"""PPO-clip (Schulman et al. 2017) at token level, asymmetric range (DAPO clip-higher, Yu et
     al. 2025: eps_high > eps_low keeps exploration tokens alive), optional dual-clip (Ye et al. 2020):
@@ -194,8 +180,8 @@ def cispo_token_loss(
     old_logp: Tensor,
     adv: Tensor,
     *,
-    eps_high: float = 0.28,
-    eps_low: float | None = None,
+    eps_high: float,
+    eps_low: float | None,
 ) -> tuple[Tensor, Clipped]:
     r"""CISPO (MiniMax-M1, arXiv:2506.13585, eqs. 4-5):
 
@@ -245,8 +231,8 @@ class GSPOSettings(LossSettings):
 
 @POLICY_LOSSES.register("gspo")
 @with_settings(GSPOSettings)
-def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 3e-4,
-                    clip_high: float = 4e-4) -> tuple[Tensor, Clipped]:
+def gspo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
+                    clip_high: float) -> tuple[Tensor, Clipped]:
     r"""GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071):
 
         s_i(theta) = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp(1/|y_i| sum_t d_t)
@@ -275,8 +261,8 @@ class GMPOSettings(LossSettings):
 
 @POLICY_LOSSES.register("gmpo")
 @with_settings(GMPOSettings)
-def gmpo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 0.4,
-                    clip_high: float = 0.4) -> tuple[Tensor, Clipped]:
+def gmpo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
+                    clip_high: float) -> tuple[Tensor, Clipped]:
     r"""GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673): the geometric
     mean of the clipped token objectives, the clip taken in log space:
 
@@ -310,8 +296,8 @@ class SAPOSettings(LossSettings):
 
 @POLICY_LOSSES.register("sapo")
 @with_settings(SAPOSettings)
-def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, *, tau_pos: float = 1.0,
-                    tau_neg: float = 1.05) -> tuple[Tensor, Clipped]:
+def sapo_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, *, tau_pos: float,
+                    tau_neg: float) -> tuple[Tensor, Clipped]:
     r"""SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): a smooth
     gate replaces the hard clip,
 
@@ -348,9 +334,9 @@ class ClipCovSettings(LossSettings):
 
 @POLICY_LOSSES.register("clip_cov")
 @with_settings(ClipCovSettings)
-def clip_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float = 0.2,
-                        clip_high: float = 0.28, frac: float = 2e-4, lb: float = 1.0,
-                        ub: float = 5.0) -> tuple[Tensor, Clipped]:
+def clip_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
+                        clip_high: float, frac: float, lb: float,
+                        ub: float) -> tuple[Tensor, Clipped]:
     r"""Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
     Models", arXiv:2505.22617, sec. 4): entropy collapses through the tokens whose log-prob and advantage
     co-vary most, so detach the gradient of a small fraction of them:
@@ -388,8 +374,8 @@ class KLCovSettings(LossSettings):
 
 @POLICY_LOSSES.register("kl_cov")
 @with_settings(KLCovSettings)
-def kl_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, frac: float = 2e-4,
-                      coef: float = 1.0) -> tuple[Tensor, Clipped]:
+def kl_cov_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, frac: float,
+                      coef: float) -> tuple[Tensor, Clipped]:
     r"""KL-Cov (Cui et al. 2025, arXiv:2505.22617, sec. 4): no clip; the top covariance tokens get a
     penalty on how far the policy moved from pi_old there:
 
@@ -426,8 +412,8 @@ class IPASettings(LossSettings):
 @POLICY_LOSSES.register("ipa")
 @with_settings(IPASettings)
 def ipa_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, chunk_ids: Tensor,
-                   rollout_logprobs: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-                   mask_threshold: float = 2.0, mask_sides: str = "sign") -> tuple[Tensor, Clipped]:
+                   rollout_logprobs: Tensor, *, clip_low: float, clip_high: float,
+                   mask_threshold: float, mask_sides: str) -> tuple[Tensor, Clipped]:
     r"""IPA's chunk-level policy loss (ROLL, "Let It Flow", arXiv:2512.24873; chunks are the spans
     between environment interactions, ``Sample.chunk_ids``):
 

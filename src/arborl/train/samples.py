@@ -36,7 +36,7 @@ import torch
 
 from arborl.config import AdvantageConfig, RewardShapingConfig
 from arborl.prefix import common_prefix_len
-from arborl.rewards import ADVANTAGE_ESTIMATORS, Estimator, broadcast_to_tokens, turn_rewards, zero_variance_mask
+from arborl.rewards import Estimator, broadcast_to_tokens, estimate, turn_rewards, zero_variance_mask
 from arborl.rewards.shaping import compose, speed_rewards
 from arborl.types import Call, Episode, EpisodeStatus, FinishReason, Sample
 
@@ -208,7 +208,6 @@ def build_samples(
     (:func:`shaped_rewards`); the estimator (``adv_cfg.estimator`` unless given) makes one advantage per
     episode or one per turn, and ``broadcast_to_tokens`` puts it on the episode's generated tokens (per
     turn: by chunk id, C4)."""
-    estimator = estimator or ADVANTAGE_ESTIMATORS.get(adv_cfg.estimator)
     stats = BatchStats(episodes=len(episodes))
     kept = [e for e in episodes if usable(e)]
     stats.unusable = len(episodes) - len(kept)
@@ -225,7 +224,7 @@ def build_samples(
         flat = zero_variance_mask(rewards, groups, tol=adv_cfg.zero_variance_tol).tolist()
         zero = [z and g not in has_process for z, g in zip(flat, groups)]
         stats.zero_variance_groups = len({g for g, z in zip(groups, zero) if z})
-    adv = torch.as_tensor(estimator(rewards, turns, groups, adv_cfg), dtype=torch.float64)
+    adv = torch.as_tensor(estimate(adv_cfg, rewards, turns, groups, estimator), dtype=torch.float64)
     if adv.dim() not in (1, 2) or adv.shape[0] != len(kept):
         raise ValueError(f"advantage estimator {adv_cfg.estimator!r} returned shape {tuple(adv.shape)}; "
                          f"expected [{len(kept)}] (per episode) or [{len(kept)}, turns]")
