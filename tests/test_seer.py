@@ -247,7 +247,9 @@ def test_factory_and_protocol():
     seer = make_dispatch(SchedulingConfig(dispatch="seer", chunk_tokens=9, context_aware=False), 2)
     assert isinstance(seer, SeerDispatch) and isinstance(seer, DispatchPolicy)
     assert seer.chunk_tokens == 9 and seer.context_aware is False  # the knobs reach the policy
-    assert isinstance(make_dispatch(SchedulingConfig(), 2), PinnedDispatch)
+    assert isinstance(make_dispatch(SchedulingConfig(dispatch="pinned"), 2), PinnedDispatch)
+    with pytest.raises(ValueError, match="affinity is the engine pool's session placement"):
+        make_dispatch(SchedulingConfig(), 2)  # the default, affinity, is no dispatch policy
     with pytest.raises(RegistryError, match="unknown dispatch policy 'random'"):
         make_dispatch(SchedulingConfig(), 2, name="random")
     with pytest.raises(ValueError):

@@ -94,7 +94,7 @@ class RayDeployment:
 
     def attach(self, pool: Any) -> None:
         """A restarted engine that rejoined is routed to again: by the affinity router, and by the
-        dispatcher under Seer (or any non-pinned) dispatch."""
+        dispatcher under any dispatch policy (scheduling.dispatch other than affinity)."""
         for i, served in enumerate(pool.engines):
             e = getattr(served, "decode", served)  # a PD engine rejoins with its decode actor
             if not isinstance(e, ActorEngine):

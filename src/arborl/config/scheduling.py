@@ -9,6 +9,9 @@ from pydantic import Field, field_validator, model_validator
 from arborl.config.base import Section, comma_list
 
 
+AFFINITY = "affinity"  # scheduling.dispatch: the engine pool's session placement, not a dispatch policy
+
+
 class SchedulingConfig(Section):
     """Rollout scheduling for the long tail: consumption policy (S1, S2, S4), dispatch (S5, S6), partial rollout."""
 
@@ -59,12 +62,16 @@ class SchedulingConfig(Section):
         "the surplus (fraction of the batch)",
     )
     dispatch: str = Field(
-        "pinned",
-        description="where requests run (registry rollout.dispatch.DISPATCH_POLICIES): pinned = each group pinned to "
-        "one engine instance (veRL-like); seer = one global queue, divided rollout, probes first, then longest "
-        "estimated group first; or a path to your own, package.module:attr or path/to/file.py:attr. In `arborl train` / `arborl serve` the engine pool keeps "
-        "session-affinity placement for pinned (unless partial_rollout=abort_resume) and puts every engine request "
-        "of any other policy through the dispatcher (engine/dispatcher.py), grouped by the session's group_id",
+        "affinity",
+        description="where requests run (registry scheduling.dispatch.DISPATCH_POLICIES): affinity = the engine pool's "
+        "own placement (engine/affinity.py): each request whole on one engine, a session's calls on the engine that "
+        "holds its prefix until that engine has gateway.affinity_max_load requests in flight, then on the least "
+        "loaded; pinned = each group pinned for good to the least-loaded engine instance at its first request, its "
+        "requests whole, first come first served (veRL-like); seer = one global queue, divided rollout, probes "
+        "first, then longest estimated group first; or a path to your own, package.module:attr or "
+        "path/to/file.py:attr. Every value but affinity is a dispatch policy: the engine pool serves it through "
+        "the dispatcher (engine/dispatcher.py), grouped by the session's group_id, and the simulator models it "
+        "(sim.policies). partial_rollout=abort_resume needs a dispatch policy: unset, dispatch is pinned there",
     )
     chunk_tokens: int = Field(
         4096,
@@ -105,6 +112,22 @@ class SchedulingConfig(Section):
     @classmethod
     def _curriculum_list(cls, value: Any) -> Any:
         return comma_list(value)  # --set scheduling.curriculum=easy,medium,hard
+
+    @model_validator(mode="before")
+    @classmethod
+    def _abort_resume_dispatch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("partial_rollout") == "abort_resume" and "dispatch" not in data:
+            return {**data, "dispatch": "pinned"}  # aborting and re-queueing needs a dispatch policy
+        return data
+
+    @model_validator(mode="after")
+    def _dispatch_for_abort_resume(self) -> "SchedulingConfig":
+        if self.partial_rollout == "abort_resume" and self.dispatch == AFFINITY:
+            raise ValueError("scheduling.partial_rollout=abort_resume aborts requests at a weight update and re-queues "
+                             "them through a dispatch policy, which scheduling.dispatch=affinity (the engine pool's "
+                             "session placement) is not: set scheduling.dispatch=pinned (each group whole on one "
+                             "engine) or seer")
+        return self
 
     @model_validator(mode="after")
     def _curriculum_complete(self) -> "SchedulingConfig":

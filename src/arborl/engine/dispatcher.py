@@ -1,7 +1,7 @@
 """Serving engine requests through a dispatch policy (S5, S6) over several engines.
 
 The engine pool (``engine/pool.py``) places requests this way instead of by session affinity when
-``scheduling.dispatch`` is not ``pinned`` (or ``scheduling.partial_rollout`` is ``abort_resume``). A request is submitted with its
+``scheduling.dispatch`` names a dispatch policy (``pinned``, ``seer``, ...: anything but ``affinity``). A request is submitted with its
 group (the session's GRPO group); it waits in the policy's queue until the policy hands it to an
 engine with room; that engine serves one *piece* of it (at most the assignment's new tokens: a Seer
 chunk, or the rest of the request), then the request comes back to the policy, which may send its

@@ -1,11 +1,11 @@
 """The engine pool: every engine request of the gateway is placed here, by one of two placements.
 
-* **affinity** (``scheduling.dispatch=pinned``, the default): a request runs whole on one engine; a
+* **affinity** (``scheduling.dispatch=affinity``, the default): a request runs whole on one engine; a
   session's calls stay on its engine so its growing prompt finds its prefix in that engine's KV
   cache, and move to the least-loaded engine when that one is busy (``engine/affinity.py``).
-* **dispatch** (``scheduling.dispatch=seer``, or ``partial_rollout=abort_resume``): a dispatch policy
-  of ``scheduling/dispatch.py`` serves every request in pieces from one global queue, grouped by the
-  session's GRPO group, migrating KV between engines (``engine/dispatcher.py``).
+* **dispatch** (any other ``scheduling.dispatch``: ``pinned``, ``seer``, your own): that dispatch policy
+  of ``scheduling/dispatch.py`` serves every request from its queue, grouped by the session's GRPO
+  group (Seer in pieces, migrating KV between engines; ``engine/dispatcher.py``).
 
 The caller asks for a :class:`Lease` (an engine-shaped handle for one gateway request plus its
 bookkeeping), and the trainer's weights reach every engine through :meth:`EnginePool.update_weights`,
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from arborl.config import SchedulingConfig
+from arborl.config.scheduling import AFFINITY
 from arborl.engine.affinity import AffinityRouter
 from arborl.engine.dispatcher import Dispatcher
 from arborl.engine.face import EngineFace, RequestFace
@@ -64,10 +65,10 @@ class EnginePool:
 
     @classmethod
     def from_config(cls, engines: Sequence[EngineFace], sched: SchedulingConfig, *, affinity_max_load: int = 8) -> "EnginePool":
-        """Affinity placement unless the scheduling knobs need the dispatcher (Seer dispatch, or
-        abort-and-resume partial rollout)."""
+        """Affinity placement for ``scheduling.dispatch=affinity``, else the dispatcher with that dispatch
+        policy (abort-and-resume partial rollout needs one: the config refuses it with affinity)."""
         dispatcher = None
-        if sched.dispatch != "pinned" or sched.partial_rollout == "abort_resume":
+        if sched.dispatch != AFFINITY:
             dispatcher = Dispatcher(engines, make_dispatch(sched, len(engines)), migration=sched.migration)
         return cls(engines, affinity_max_load=affinity_max_load, dispatcher=dispatcher,
                    abort_resume=sched.partial_rollout == "abort_resume")

@@ -1,5 +1,9 @@
 """Dispatch policies (S5, S6): which request runs next on an engine instance that has room.
 
+``scheduling.dispatch=affinity`` (the default) is not one of them: it is the engine pool's own
+session placement (``engine/affinity.py``), whole requests with no queue; the names below are the
+policies the dispatcher (``engine/dispatcher.py``) and the simulator drive, with one meaning in both.
+
 * ``pinned`` (veRL-like baseline): each group is pinned to one instance when its first request
   arrives (the instance with the fewest outstanding requests, lowest index on ties); the instance
   serves its groups' requests first come first served, each to the end in one go.
@@ -32,6 +36,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from arborl.config.scheduling import AFFINITY
 from arborl.registry import Registry
 from arborl.scheduling.policies import PRIORITY_PROBE, PRIORITY_STARVED, Assignment, DispatchPolicy, RequestSpec
 
@@ -399,6 +404,13 @@ class DispatchFactory(Protocol):
 
 
 DISPATCH_POLICIES: Registry[DispatchFactory] = Registry("dispatch policy")
+
+
+@DISPATCH_POLICIES.register(AFFINITY)
+def _affinity(sched: "SchedulingConfig", instances: int) -> DispatchPolicy:
+    raise ValueError(f"scheduling.dispatch={AFFINITY} is the engine pool's session placement (engine/affinity.py), not a "
+                     "dispatch policy: the simulator and partial_rollout=abort_resume take pinned (each group whole "
+                     "on one engine instance) or seer")
 
 
 @DISPATCH_POLICIES.register("pinned")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from arborl.config import Config, ConfigError, SchedulingConfig, SimConfig
+from arborl.config.scheduling import AFFINITY
 from arborl.registry import RegistryError
 from arborl.scheduling.consume import CONSUME_POLICIES, make_consume
 from arborl.scheduling.dispatch import DISPATCH_POLICIES, make_dispatch
@@ -96,6 +97,8 @@ def check_variants(variants: list[str]) -> None:
             consume, dispatch = parse_variant(variant)
             CONSUME_POLICIES.get(consume)
             DISPATCH_POLICIES.get(dispatch)
+            if dispatch == AFFINITY:
+                make_dispatch(SchedulingConfig(), 1, name=dispatch)  # raises: not a dispatch policy
         except (ValueError, RegistryError) as e:
             raise ConfigError(f"sim.policies: {e}") from None
 
