@@ -135,3 +135,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
             raise AssertionError("an upward import went unnoticed")
     finally:
         f.unlink()
+
+
+def test_no_module_is_over_600_lines():
+    """Small modules, one idea each (DESIGN.md section 8): a file past 600 lines holds more than one."""
+    big = {str(f.relative_to(PKG)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
+    assert not big, f"split these: {big}"
