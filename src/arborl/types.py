@@ -1,12 +1,17 @@
 """The core records that flow through arborl (docs/architecture.md, "The records").
 
 Token ids always come from the engine; nothing here is ever re-tokenised from text.
-Two log-probabilities are kept per generated token:
+Two log-probabilities are kept per generated token, each under one name (docs/glossary.md, "Terms"):
 
-* ``logprobs``: the raw temperature-1 log-probability of the token under the policy
-  that produced it -- what the trainer recomputes and compares against (S3);
+* ``logprobs`` (one token's: ``logprob``, as ``engine.face.TokenEvent.logprob``): the raw temperature-1
+  log-probability of the token under the policy that produced it -- what the trainer recomputes and
+  compares against (S3). It keeps this name from the engine (``GenerateResult``) to the data pool
+  (``Call``); a ``Sample`` holds the same values as ``rollout_logprobs`` (0.0 where ``loss_mask`` is 0),
+  the name the trainer gives its behaviour log-probs (the ``rollout_logprobs`` keyword of the policy
+  losses and corrections);
 * ``sample_logprobs``: the log-probability under the distribution the token was actually
-  drawn from (after temperature / top-k / top-p), i.e. the behaviour policy.
+  drawn from (after temperature / top-k / top-p), i.e. the behaviour policy; a tempered trainer
+  compares with these (``Sample.behaviour_logprobs``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Token sampling: temperature, top-k, top-p, greedy, per-request seeds.
 
 For every sampled token we return two log-probabilities:
-  * raw:     log softmax(logits)[token]              -- the temperature-1 policy the trainer recomputes;
-  * sampled: log of the token's probability under the distribution it was drawn from
-             (logits / T, then top-k / top-p truncation and renormalisation; 0.0 for greedy).
+  * ``logprobs`` (raw):  log softmax(logits)[token]  -- the temperature-1 policy the trainer recomputes;
+  * ``sample_logprobs``: log of the token's probability under the distribution it was drawn from
+                         (logits / T, then top-k / top-p truncation and renormalisation; 0.0 for greedy).
 
 The token at position t of a request seeded s is the inverse-CDF draw of one uniform that is a hash
 of (s, t) alone (``position_uniform``). So a seeded request gives the same tokens whatever else shares
@@ -101,18 +101,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     # the argmax only where a row is greedy, the rows gathered only where some are: at 32 rows of
     # SmolLM2's 49152 logits each was ~1 ms of an ~11 ms sampled step
     tokens = torch.argmax(logits, dim=-1) if len(todo) < n else torch.empty(n, dtype=torch.long, device=device)
-    sample_lp = torch.zeros(n, device=device)
-    raw = None
+    sample_logprobs = torch.zeros(n, device=device)
+    logprobs = None
     if todo:
         every = len(todo) == n
         idx = rows if every else torch.tensor(todo, device=device)
         dist = sampling_log_probs(logits if every else logits[idx], [params[i] for i in todo])
         tokens[idx] = draw(dist, [position_uniform(seeds[i], positions[i]) for i in todo])
-        sample_lp[idx] = dist[torch.arange(len(todo), device=device), tokens[idx]]
+        sample_logprobs[idx] = dist[torch.arange(len(todo), device=device), tokens[idx]]
         if every and all(p.temperature == 1.0 and p.top_k <= 0 and p.top_p >= 1.0 for p in params):
-            raw = sample_lp  # logits / 1.0 is logits: dist is log_probs(logits), the same bits as below
-    if raw is None:
-        raw = logits[rows, tokens] - torch.logsumexp(logits, dim=-1)  # = log_probs(logits)[rows, tokens]
-    bad = ~(torch.isfinite(raw) & torch.isfinite(sample_lp))
+            logprobs = sample_logprobs  # logits / 1.0 is logits: dist is log_probs(logits), the same bits as below
+    if logprobs is None:
+        logprobs = logits[rows, tokens] - torch.logsumexp(logits, dim=-1)  # = log_probs(logits)[rows, tokens]
+    bad = ~(torch.isfinite(logprobs) & torch.isfinite(sample_logprobs))
     failed = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
-    return SampleOutput(tokens=tokens.tolist(), logprobs=raw.tolist(), sample_logprobs=sample_lp.tolist(), failed=failed)
+    return SampleOutput(tokens=tokens.tolist(), logprobs=logprobs.tolist(), sample_logprobs=sample_logprobs.tolist(),
+                        failed=failed)

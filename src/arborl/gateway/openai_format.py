@@ -67,9 +67,9 @@ def response_version(choices: list[ServedChoice], engine_version: int) -> int:
 
 def token_logprobs(decode_one, token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
     out = []
-    for t, lp in zip(token_ids, logprobs):
+    for t, logprob in zip(token_ids, logprobs):
         s = decode_one(t)
-        out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+        out.append({"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
     return out
 
 

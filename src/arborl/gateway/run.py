@@ -110,9 +110,9 @@ class RequestRun:
         job.meta["replayed_from"] = call.call_id
         n = len(call.completion_token_ids)
         if self._queue is not None:
-            for i, (t, lp, slp, v) in enumerate(zip(call.completion_token_ids, call.logprobs, call.sample_logprobs,
-                                                    call.versions)):
-                self._queue.put_nowait((job.index, TokenEvent(t, lp, slp, v, i)))
+            for i, (t, logprob, sample_logprob, v) in enumerate(zip(call.completion_token_ids, call.logprobs,
+                                                                    call.sample_logprobs, call.versions)):
+                self._queue.put_nowait((job.index, TokenEvent(t, logprob, sample_logprob, v, i)))
             self._queue.put_nowait((job.index, None))
         self.ctx.stats.add("replayed_tokens", n)
         return GenerateResult(job.request.request_id, list(call.prompt_token_ids), list(call.completion_token_ids),
@@ -283,15 +283,15 @@ class RequestRun:
                     if not (text or want_ids or want_lp):
                         continue
                     ch: dict[str, Any] = {"index": idx, "logprobs": None, "finish_reason": None}
-                    ids, lps = [e.token_id for e in evs], [e.logprob for e in evs]
+                    ids, logprobs = [e.token_id for e in evs], [e.logprob for e in evs]
                     if chat:
                         ch["delta"] = {"content": text}
                         if want_lp:
-                            ch["logprobs"] = {"content": fmt.token_logprobs(ctx.text.decode_one, ids, lps)}
+                            ch["logprobs"] = {"content": fmt.token_logprobs(ctx.text.decode_one, ids, logprobs)}
                     else:
                         ch["text"] = text
                         if want_lp:
-                            ch["logprobs"] = fmt.completion_logprobs(ctx.text.decode_one, ids, lps, start=offsets[idx])
+                            ch["logprobs"] = fmt.completion_logprobs(ctx.text.decode_one, ids, logprobs, start=offsets[idx])
                             offsets[idx] += sum(len(t) for t in ch["logprobs"]["tokens"])
                     if want_ids:
                         ch["token_ids"] = [e.token_id for e in evs]

@@ -27,7 +27,9 @@ rho_t < veto (a token the trainer finds near-impossible signals a broken sample)
 
 The weights multiply the per-token policy-gradient loss (``policy_loss(weights=...)``); they carry
 no gradient. Compare like with like: ``rollout_logprobs`` are the engine's raw temperature-1
-log-probs (``Sample.rollout_logprobs``), not the sampling-distribution ``sample_logprobs``.
+log-probs (``Sample.rollout_logprobs``), not the sampling-distribution ``sample_logprobs`` (a tempered
+trainer, which scores softmax(logits / T), passes those as its ``rollout_logprobs``:
+``Sample.behaviour_logprobs``).
 
 ``rollout_correction(..., **cfg.train.correction.model_dump())`` works: its keyword names are the
 fields of :class:`arborl.config.CorrectionConfig`.
@@ -161,7 +163,7 @@ _METRIC_KEYS = (
 
 
 def decoupled_weights(
-    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, cap: float | None = 5.0
+    proximal_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, cap: float | None = 5.0
 ) -> tuple[Tensor, dict[str, float]]:
     r"""Decoupled PPO's behaviour weight (AReaL, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
     Reinforcement Learning System for Language Reasoning"; Hilton et al. 2022, "Batch size-invariance
@@ -170,14 +172,15 @@ def decoupled_weights(
 
         w_t = pi_prox(o_t) / pi_behav(o_t) = exp(prox_logp_t - behav_logp_t),   w_t = 0 if w_t > cap
 
-    (AReaL's ``behav_imp_weight_cap``: such tokens are dropped, not truncated). Returns (w [B, T],
-    detached, 0 off the mask; metrics decoupled/weight_mean, _max, masked_frac, k3_kl = KL(behav || prox)).
+    (``proximal_logprobs``: log pi_prox; ``rollout_logprobs``: log pi_behav, the samples'; the cap is AReaL's
+    ``behav_imp_weight_cap``: such tokens are dropped, not truncated). Returns (w [B, T], detached, 0 off the
+    mask; metrics decoupled/weight_mean, _max, masked_frac, k3_kl = KL(behav || prox)).
     """
     if cap is not None and not cap > 0:
         raise ValueError(f"the decoupled weight cap must be > 0 (or None), got {cap}")
     with torch.no_grad():
         m = mask > 0
-        log_w = torch.where(m, proximal_logprobs.detach() - behaviour_logprobs.detach(), 0.0)
+        log_w = torch.where(m, proximal_logprobs.detach() - rollout_logprobs.detach(), 0.0)
         w = torch.exp(clamp_log_ratio(log_w))
         dropped = m & (w > cap) if cap is not None else torch.zeros_like(m)
         w = torch.where(m & ~dropped, w, 0.0)

@@ -205,8 +205,9 @@ def policy_loss(
     logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # off the mask: logp = old = 0, ratio 1
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
-    rollout = None if rollout_logprobs is None else torch.where(m, rollout_logprobs.detach(), torch.zeros_like(logp))
-    context = named_context(token_loss, {"mask": m, "chunk_ids": chunk_ids, "rollout_logprobs": rollout})
+    if rollout_logprobs is not None:
+        rollout_logprobs = torch.where(m, rollout_logprobs.detach(), torch.zeros_like(logp))
+    context = named_context(token_loss, {"mask": m, "chunk_ids": chunk_ids, "rollout_logprobs": rollout_logprobs})
     pg_tok, clipped = token_loss(logp, old, adv, **context, **settings)
     if weights is not None:
         pg_tok = pg_tok * torch.where(m, weights.detach(), torch.zeros_like(pg_tok))

@@ -439,8 +439,8 @@ def ipa_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, ch
     ratio = torch.exp(clamp_log_ratio(chunk_mean(logp - old_logp, m, chunk_ids)))
     loss, clipped = _clip_surrogate(ratio, adv, clip_low, clip_high)
     with torch.no_grad():
-        rollout = torch.where(m, rollout_logprobs.to(logp.dtype), 0.0)
-        mis = chunk_mean(torch.where(m, logp.detach() - rollout, 0.0), m, chunk_ids)
+        rollout_logprobs = torch.where(m, rollout_logprobs.to(logp.dtype), 0.0)
+        mis = chunk_mean(torch.where(m, logp.detach() - rollout_logprobs, 0.0), m, chunk_ids)
         over, under = mis > math.log(mask_threshold), mis < -math.log(mask_threshold)
         masked = ((adv > 0) & over) | ((adv < 0) & under) if mask_sides == "sign" else over | under
         masked = masked & m

@@ -8,11 +8,12 @@
     for each pass (train.ppo_epochs), for each part:
         for each of its packed micro-batches:
             forward  ->  per-sample log-probs logp (+ entropies)
-            w    = rollout_correction(logp, behaviour_logp)           # S3: TIS / MIS / IcePop weights
-            w   *= pi_prox / pi_behav, 0 above the cap                 # train.decoupled (AReaL)
-            old  = prox (train.old_logprobs=trainer) or behaviour_logp (=rollout)
-            loss = policy_loss(cfg.loss, logp, old, advantages, w, ...) # train.loss.kind, KL, entropy
-            loss.backward()                                            # normalised by the whole part
+            rollout_logprobs = the samples' (their sample_logprobs when the trainer is tempered)
+            w    = rollout_correction(logp, rollout_logprobs)           # S3: TIS / MIS / IcePop weights
+            w   *= pi_prox / pi_behav, 0 above the cap                  # train.decoupled (AReaL)
+            old_logprobs = prox (train.old_logprobs=trainer) or rollout_logprobs (=rollout)
+            loss = policy_loss(cfg.loss, logp, old_logprobs, advantages, w, ...)  # train.loss.kind, KL, entropy
+            loss.backward()                                             # normalised by the whole part
         clip gradients; AdamW step
     publish weights to the engines (version + 1; the controller does it)
 
@@ -313,7 +314,7 @@ class Trainer:
         entropy = pad_sequence(ents, batch_first=True) if ents is not None else None
         dtype = logp.dtype
         mask = _per_token(mb, "loss_mask", dtype, self.device)
-        rollout = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
+        rollout_logprobs = _per_token(mb, lambda s: s.behaviour_logprobs(tempered), dtype, self.device)
         adv = _per_token(mb, "advantages", dtype, self.device)
         chunks = _per_token(mb, "chunk_ids", torch.long, self.device)
         if proximal is None:
@@ -321,16 +322,16 @@ class Trainer:
         else:
             prox = pad_sequence([proximal[i] for i in rows], batch_first=True).to(self.device, dtype)
         weights, corr = rollout_correction(
-            logp.detach(), rollout, mask, chunk_ids=chunks, **cfg.correction.model_dump()
+            logp.detach(), rollout_logprobs, mask, chunk_ids=chunks, **cfg.correction.model_dump()
         )
         if cfg.decoupled:
-            w_dec, dec = decoupled_weights(prox, rollout, mask, cap=cfg.decoupled_weight_cap)
+            w_dec, dec = decoupled_weights(prox, rollout_logprobs, mask, cap=cfg.decoupled_weight_cap)
             weights, corr = weights * w_dec, {**corr, **dec}
-        old = prox if cfg.old_logprobs == "trainer" else rollout
+        old_logprobs = prox if cfg.old_logprobs == "trainer" else rollout_logprobs
         ref = self._ref_logprobs(batch) if cfg.loss.kl_coef > 0 else None
         loss, metrics = policy_loss(
-            cfg.loss, logp, old, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy, chunk_ids=chunks,
-            rollout_logprobs=rollout, num_tokens=num_tokens, num_samples=num_samples,
+            cfg.loss, logp, old_logprobs, adv, mask, weights=weights, ref_logprobs=ref, entropy=entropy,
+            chunk_ids=chunks, rollout_logprobs=rollout_logprobs, num_tokens=num_tokens, num_samples=num_samples,
         )
         loss.backward()
         w = float(mask.sum())

@@ -323,19 +323,20 @@ class ServerEngine(ABC):
             async for piece in self.stream_segment(self._client(), seg):
                 if piece.cached_tokens is not None and live.segments == 1:
                     live.cached = piece.cached_tokens
-                for tok, lp in zip(piece.token_ids, piece.logprobs) if live.finish is None else ():
-                    raw, sample, exact = self._logprobs(lp, p)
+                for tok, served in zip(piece.token_ids, piece.logprobs) if live.finish is None else ():
+                    logprob, sample_logprob, exact = self._logprobs(served, p)
                     if not exact:
                         self.counts["inexact_logprob_tokens"] += 1
                     live.tokens.append(int(tok))
-                    live.logprobs.append(raw)
-                    live.sample_logprobs.append(sample)
+                    live.logprobs.append(logprob)
+                    live.sample_logprobs.append(sample_logprob)
                     live.versions.append(version)
                     self.counts["generated_tokens"] += 1
                     if live.first_token is None:
                         live.first_token = time.perf_counter()
                     if live.queue is not None:
-                        live.queue.put_nowait(TokenEvent(int(tok), raw, sample, version, len(live.tokens) - 1))
+                        event = TokenEvent(int(tok), logprob, sample_logprob, version, len(live.tokens) - 1)
+                        live.queue.put_nowait(event)
                     reason = self.stop_rules.reason(live.request, live.tokens, int(tok))
                     if reason is not None:
                         live.finish = reason
@@ -355,13 +356,14 @@ class ServerEngine(ABC):
             raise ServerUnavailableError(f"the {self.kind} server ended the stream of {seg.request_id} without a "
                                          "finish reason: retry the call")
 
-    def _logprobs(self, lp: float, p: SamplingParams) -> tuple[float, float, bool]:
-        """(raw, sampling, exact): the server gives one of the two; the other is the same number when the
-        sampling distribution is the model's own (temperature 1, no top-k / top-p), 0.0 for greedy."""
+    def _logprobs(self, served: float, p: SamplingParams) -> tuple[float, float, bool]:
+        """(logprob, sample_logprob, exact) of a token whose log-prob the server sent as ``served``: the server
+        gives one of the two (``logprobs_kind``); the other is the same number when the sampling distribution
+        is the model's own (temperature 1, no top-k / top-p), 0.0 for greedy."""
         if p.greedy:
-            return lp, 0.0, True  # a greedy row's processed log-probs are the raw ones in vLLM and SGLang
+            return served, 0.0, True  # a greedy row's processed log-probs are the raw ones in vLLM and SGLang
         same = p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
-        return lp, lp, same
+        return served, served, same
 
     def _server_finish(self, live: _Live, reason: str) -> FinishReason:
         if reason == "length":

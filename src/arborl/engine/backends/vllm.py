@@ -147,10 +147,10 @@ class VLLMEngine(ServedEngine):
                 yield Piece([], [], None, int(details["cached_tokens"]))
             for ch in chunk.get("choices") or []:
                 ids = ch.get("token_ids") or []
-                lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
-                if len(lps) != len(ids):
-                    raise BackendError(f"vLLM sent {len(ids)} token ids with {len(lps)} log-probs")
-                yield Piece(list(ids), [float(x) for x in lps], ch.get("finish_reason"))
+                logprobs = (ch.get("logprobs") or {}).get("token_logprobs") or []
+                if len(logprobs) != len(ids):
+                    raise BackendError(f"vLLM sent {len(ids)} token ids with {len(logprobs)} log-probs")
+                yield Piece(list(ids), [float(x) for x in logprobs], ch.get("finish_reason"))
 
     # -- weights ----------------------------------------------------------------------------------
     async def load_weights(self, client: httpx.AsyncClient, prepared: object, version: int) -> None:
