@@ -160,7 +160,7 @@ def resolve_loss(cfg: LossConfig) -> tuple[TokenLoss, dict[str, Any]]:
 
 def policy_loss(
     cfg: LossConfig,
-    logprobs: Tensor,
+    train_logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
@@ -187,7 +187,7 @@ def policy_loss(
     :func:`arborl.train.corrections.rollout_correction`) multiplies only the policy-gradient term; tokens
     it zeroes still count in the denominator.
 
-    Inputs: ``logprobs`` [B, T] with grad; ``old_logprobs``, ``advantages`` ([B, T] or [B]),
+    Inputs: ``train_logprobs`` [B, T] (the trainer's, recomputed) with grad; ``old_logprobs``, ``advantages`` ([B, T] or [B]),
     ``weights``, ``ref_logprobs`` are used without gradient; ``entropy`` [B, T] per-token entropies
     (keep their grad for the bonus), or ``logits`` [B, T, V] to compute them. ``kl_coef`` > 0 needs
     ``ref_logprobs``, ``entropy_coef`` != 0 needs ``entropy`` or ``logits``.
@@ -200,9 +200,9 @@ def policy_loss(
     token_loss, settings = resolve_loss(cfg)
     m = mask > 0
     adv = advantages.detach()
-    adv = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
+    adv = adv[:, None].expand_as(train_logprobs) if adv.dim() == 1 else adv
     adv = torch.where(m, adv, torch.zeros_like(adv))
-    logp = torch.where(m, logprobs, torch.zeros_like(logprobs))  # off the mask: logp = old = 0, ratio 1
+    logp = torch.where(m, train_logprobs, torch.zeros_like(train_logprobs))  # off the mask: logp = old = 0, ratio 1
     old = torch.where(m, old_logprobs.detach(), torch.zeros_like(logp))
 
     if rollout_logprobs is not None:
