@@ -220,8 +220,8 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
     kept: list[torch.Tensor] = []
 
     def sft() -> None:
-        if not before:  # the controller: an idle engine's caches make way for training
-            engine.release_memory()
+        if not before:  # the warm start: an idle engine's caches, and its weights (the next publish carries all)
+            engine.release_memory(weights=True)
         with sft_mode(trainer, tcfg) as t:
             sft_epochs(t, sft_samples, epochs=1, batch=n_sft)
             if before:  # today: the last SFT step's gradients stayed on the weights through RL

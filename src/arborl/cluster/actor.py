@@ -123,8 +123,8 @@ class EngineActor:
     async def import_kv(self, tokens: list[int], kv: torch.Tensor | None, version: int) -> int:
         return await self.engine.import_kv(tokens, kv, version)
 
-    async def release_memory(self) -> int:
-        return await self.engine.release_memory()
+    async def release_memory(self, weights: bool = False) -> int:
+        return await self.engine.release_memory(weights)
 
     async def stats(self) -> dict:
         return await self.engine.stats()

@@ -107,10 +107,10 @@ class PDEngine:
         await self.prefiller.update_weights(state, version)
         return await self.decode.update_weights(state, version)
 
-    async def release_memory(self) -> int:
+    async def release_memory(self, weights: bool = False) -> int:
         async with self.prefiller.lock:
-            freed = await self.prefiller.engine.release_memory()
-        return freed + await self.decode.release_memory()
+            freed = await self.prefiller.engine.release_memory(weights)
+        return freed + await self.decode.release_memory(weights)
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         return await self.decode.export_kv(tokens)

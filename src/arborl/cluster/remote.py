@@ -186,11 +186,12 @@ class ActorEngine:
         self._check()
         return await self._await(self.actor.stats.remote())
 
-    async def release_memory(self) -> int:
-        """The actor's engine frees its idle caches in the actor's process: 0 bytes in this one."""
+    async def release_memory(self, weights: bool = False) -> int:
+        """The actor's engine frees its idle caches (and with ``weights`` its weights) in the actor's process:
+        0 bytes in this one."""
         if not self.down:
             self._check()
-            await self._await(self.actor.release_memory.remote())
+            await self._await(self.actor.release_memory.remote(weights))
         return 0
 
     def shutdown(self) -> None:

@@ -110,9 +110,10 @@ class AsyncEngine:
         """Swap weights between two steps; returns seconds spent in the engine thread."""
         return await self._call(lambda: self.engine.update_weights(state, version))
 
-    async def release_memory(self) -> int:
-        """The engine's prefix cache and spare KV rows freed when it is idle (``LLMEngine.release_memory``)."""
-        return await self._call(self.engine.release_memory)
+    async def release_memory(self, weights: bool = False) -> int:
+        """The engine's prefix cache and spare KV rows (and with ``weights`` its packed weights) freed when it
+        is idle (``LLMEngine.release_memory``)."""
+        return await self._call(lambda: self.engine.release_memory(weights))
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         """KV of the longest cached prefix of ``tokens`` and its policy version (for migration)."""

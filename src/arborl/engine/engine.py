@@ -22,7 +22,7 @@ from torch import nn
 
 from arborl.config import EngineConfig
 from arborl.engine.chunked_prefill import prefill_chunked
-from arborl.engine.face import EngineLimits, StopRules
+from arborl.engine.face import EngineLimits, StopRules, WeightsReleasedError
 from arborl.engine.model_runner import ModelRunner
 from arborl.engine.prefix_cache import PrefixKVCache
 from arborl.engine.sampling import sample
@@ -56,6 +56,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.version = version
+        self.weights_released = False  # release_memory(weights=True) until the next weight update
         self.runner = ModelRunner(
             model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights,
             row_kernel_max_rows=config.cpu_row_kernel_max_rows, attention=config.attention,
@@ -75,6 +76,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
+        if self.weights_released:
+            raise WeightsReleasedError("this engine released its weights (release_memory(weights=True)) and serves "
+                                       "nothing until the next weight update")
         self.limits.check(request, can_decode=self.tokenizer is not None)
         return self.sched.add(request, on_token)
 
@@ -100,6 +104,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         head = {k: v for k, v in state.items() if k.startswith("mtp.")}  # the mtp drafter's, published with the policy
         self.runner.load_weights({k: v for k, v in state.items() if k not in head} if head else state)
+        self.weights_released = False
         release_free_memory()  # the old packed weights
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
@@ -112,14 +117,19 @@ class LLMEngine:
         self.stats.weight_updates += 1
         return time.perf_counter() - t0
 
-    def release_memory(self) -> int:
+    def release_memory(self, weights: bool = False) -> int:
         """Free the prefix cache and the KV rows beyond the first allocation when nothing runs or waits (see
-        ``EngineFace.release_memory``); the next requests grow them again. Returns the bytes freed."""
+        ``EngineFace.release_memory``); the next requests grow them again. ``weights``: the packed Linear
+        weights too, for a next update that carries every weight; no request is served until it comes.
+        Returns the bytes freed."""
         if self.has_work:
             return 0
         freed = self.prefix_cache.nbytes()
         self.prefix_cache.clear()
         freed += self.runner.kv.shrink()
+        if weights and self.runner.linear is not None:
+            freed += self.runner.linear.drop()
+            self.weights_released = True
         release_free_memory()
         return freed
 

@@ -30,6 +30,11 @@ class EngineClosedError(EngineError):
     """The engine was shut down."""
 
 
+class WeightsReleasedError(EngineError):
+    """The engine released its weights (``release_memory(weights=True)``) and serves nothing until the next
+    weight update."""
+
+
 class RequestFailedError(EngineError):
     """This request failed inside an engine step (e.g. its logits were not finite); the other requests
     of the step went on."""
@@ -132,10 +137,13 @@ class EngineFace(RequestFace, Protocol):
 
     async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float: ...
 
-    async def release_memory(self) -> int:
+    async def release_memory(self, weights: bool = False) -> int:
         """Told that no request comes until the next weight update (a synchronous run's training): free what
         serves requests and is rebuilt on demand -- the prefix cache, the KV rows beyond the first -- where
-        nothing runs or waits. Returns the bytes freed in this process (0 for an engine in another one)."""
+        nothing runs or waits. ``weights``: the next update carries every weight (a full fine-tuning warm
+        start), so an engine may free its own copy of them too and refuse requests until that update
+        (``WeightsReleasedError``); one that cannot, frees what it can. Returns the bytes freed in this process
+        (0 for an engine in another one)."""
         ...
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]: ...

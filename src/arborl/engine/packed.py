@@ -20,6 +20,7 @@ from arborl.engine.cpu_kernels import available as row_kernel_available, has_bf1
 from arborl.engine.row_linear import row_linear, to_bf16_panels, to_int8_panels, to_panels
 from arborl.models.lora import Adapter
 from arborl.models.quantize import Bf16Linear, Int8Linear, shared_parameters
+from arborl.types import ArborlError
 
 # the row count oneDNN picks its blocking for; decode batches are around it, other counts still run
 _BATCH_HINT = 32
@@ -99,11 +100,20 @@ class PackedLinears:
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         return freed
 
+    def drop(self) -> int:
+        """Free every pack: the engine's copy of these weights is gone until ``refresh`` builds the packs
+        again from new weights (every module in ``held`` needs its new one then). Returns the bytes freed."""
+        freed = sum(t.numel() * t.element_size() for w in self._packed.values()
+                    for t in (w.onednn, w.panels, w.bias, w.scales) if t is not None)
+        self._packed = {}
+        return freed
+
     def _weight(self, m: nn.Module, new: dict[nn.Module, torch.Tensor]) -> torch.Tensor:
         if m in new:
             return new[m].detach().to(torch.float32)
         if m in self._held:
-            raise RuntimeError(f"{type(m).__name__}'s weight lives only in the packs: pass the new one to refresh")
+            raise ArborlError(f"{type(m).__name__}'s weight lives only in the engine's packs, which have none for it "
+                              "(released, or never built): a weight update must carry it")
         return m.weight.detach()
 
     @torch.no_grad()

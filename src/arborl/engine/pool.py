@@ -115,10 +115,10 @@ class EnginePool:
         engine), so a LoRA trainer may publish its adapters alone once the base is there."""
         return bool(self.engines) and all(getattr(e, "serves_adapters", False) for e in self.engines)
 
-    async def release_memory(self) -> int:
-        """Every idle engine frees its prefix cache and spare KV rows (``EngineFace.release_memory``); the
-        bytes freed in this process."""
-        return sum(await asyncio.gather(*(e.release_memory() for e in self.engines)))
+    async def release_memory(self, weights: bool = False) -> int:
+        """Every idle engine frees its prefix cache and spare KV rows, and with ``weights`` its own copy of
+        the weights until the next update (``EngineFace.release_memory``); the bytes freed in this process."""
+        return sum(await asyncio.gather(*(e.release_memory(weights) for e in self.engines)))
 
     # -- observing ---------------------------------------------------------------------------------
     def engine_rows(self) -> list[dict[str, Any]]:

@@ -258,7 +258,9 @@ async def warm_start(cfg: Config, ctl: Any, trainer: Trainer, tokenizer: Any, wr
     if s.files:
         samples = transcript_samples(renderer, read_transcripts(s.files))
         console.print(f"fine-tuning on {len(samples)} transcripts ({s.epochs} epoch(s)) before RL ...", markup=False)
-        await ctl.engines.release_memory()  # no rollout until the fine-tuned weights are published
+        # no rollout until the fine-tuned weights are published, and that publish carries every weight (the
+        # SFT trainer's first): the engines' own copy of the weights can go meanwhile
+        await ctl.engines.release_memory(weights=True)
         res = await asyncio.to_thread(fine_tune, cfg, trainer, samples, write=write, kind="sft", label="sft")
         summary.update(res)
         console.print(f"  SFT: {res['sft_steps']} steps in {res['sft_s']} s, loss {res['sft_loss_first']} -> "

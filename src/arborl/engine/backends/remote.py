@@ -177,8 +177,8 @@ class ServerEngine(ABC):
         if live.task is not None and not live.task.done():
             live.task.get_loop().call_soon_threadsafe(live.task.cancel)
 
-    async def release_memory(self) -> int:
-        """The server's KV cache is its own process's (and its own to manage): nothing freed here."""
+    async def release_memory(self, weights: bool = False) -> int:
+        """The server's KV cache and weights are its own process's (and its own to manage): nothing freed here."""
         return 0
 
     async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
