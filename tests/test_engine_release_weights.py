@@ -43,7 +43,7 @@ def test_released_weights_are_freed_refused_and_restored_by_a_full_update():
 
     freed = engine.release_memory(weights=True)
     assert freed >= packed > 0 and _packed_bytes(engine) == 0
-    with pytest.raises(WeightsReleasedError, match="released its weights"):
+    with pytest.raises(WeightsReleasedError, match="released its weights; it serves again after the next weight update"):
         engine.add_request(_requests()[0])
 
     state = policy.state_dict()

@@ -56,7 +56,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.version = version
-        self.weights_released = False  # release_memory(weights=True) until the next weight update
         self.runner = ModelRunner(
             model, slots=config.max_batch_size, max_len=config.max_seq_len, packed=config.cpu_packed_weights,
             row_kernel_max_rows=config.cpu_row_kernel_max_rows, attention=config.attention,
@@ -76,9 +75,8 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest, on_token=None) -> Sequence:
-        if self.weights_released:
-            raise WeightsReleasedError("this engine released its weights (release_memory(weights=True)) and serves "
-                                       "nothing until the next weight update")
+        if self.runner.weights_released:
+            raise WeightsReleasedError("this engine released its weights; it serves again after the next weight update")
         self.limits.check(request, can_decode=self.tokenizer is not None)
         return self.sched.add(request, on_token)
 
@@ -104,7 +102,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         head = {k: v for k, v in state.items() if k.startswith("mtp.")}  # the mtp drafter's, published with the policy
         self.runner.load_weights({k: v for k, v in state.items() if k not in head} if head else state)
-        self.weights_released = False
         release_free_memory()  # the old packed weights
         self.version = version
         self.prefix_cache.clear()  # cached KV belongs to the old policy
@@ -127,9 +124,8 @@ class LLMEngine:
         freed = self.prefix_cache.nbytes()
         self.prefix_cache.clear()
         freed += self.runner.kv.shrink()
-        if weights and self.runner.linear is not None:
-            freed += self.runner.linear.drop()
-            self.weights_released = True
+        if weights:
+            freed += self.runner.release_weights()
         release_free_memory()
         return freed
 

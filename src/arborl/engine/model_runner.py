@@ -46,6 +46,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # hidden states (before the final norm) of the last forward
         # prepacked CPU weights (engine.cpu_packed_weights); None: the model's own Linear modules
         self.linear = PackedLinears(model, row_kernel_max_rows) if packed and packing_available(model) else None
+        self.weights_released = False  # release_weights() until the next load_weights
         # the lean forward over those packed weights where the model is a plain Llama-layout decoder
         self.packed_forward = (PackedForward(model, self.linear)
                                if self.linear is not None and PackedForward.supports(model, self.linear) else None)
@@ -271,6 +272,15 @@ class ModelRunner:
         self.last_hidden = h
         return lm_logits(self.model, h, self.linear)
 
+    def release_weights(self) -> int:
+        """Free the packed weights (with ``release_module_weights``, the runner's only copy of them) until the
+        next ``load_weights``, which must carry every one of them; nothing may run meanwhile. Returns the bytes
+        freed."""
+        if self.linear is None:
+            return 0
+        self.weights_released = True
+        return self.linear.drop()
+
     def release_module_weights(self) -> int:
         """Free the Linear weights the packed copies replace (the model must be this runner's alone);
         returns the bytes freed (0 without packed weights)."""
@@ -330,8 +340,9 @@ class ModelRunner:
                     )
             for name, tensor in state.items():
                 params[name].copy_(tensor)
-        if self.linear is not None and changed:
+        if self.linear is not None and (changed or self.weights_released):
             self.linear.refresh(new, changed)
+        self.weights_released = False
         self._serve_adapters(adapters)
 
     def _check_adapters(self, adapters: dict[str, Adapter]) -> None:
