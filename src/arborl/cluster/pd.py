@@ -109,8 +109,9 @@ class PDEngine:
 
     async def release_memory(self, weights: bool = False) -> int:
         async with self.prefiller.lock:
-            freed = await self.prefiller.engine.release_memory(weights)
-        return freed + await self.decode.release_memory(weights)
+            freed = await (self.prefiller.engine.release_memory(weights=True) if weights
+                           else self.prefiller.engine.release_memory())
+        return freed + await (self.decode.release_memory(weights=True) if weights else self.decode.release_memory())
 
     async def export_kv(self, tokens: list[int]) -> tuple[torch.Tensor | None, int]:
         return await self.decode.export_kv(tokens)

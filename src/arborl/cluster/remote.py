@@ -191,7 +191,7 @@ class ActorEngine:
         0 bytes in this one."""
         if not self.down:
             self._check()
-            await self._await(self.actor.release_memory.remote(weights))
+            await self._await(self.actor.release_memory.remote(weights) if weights else self.actor.release_memory.remote())
         return 0
 
     def shutdown(self) -> None:

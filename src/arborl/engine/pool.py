@@ -118,7 +118,9 @@ class EnginePool:
     async def release_memory(self, weights: bool = False) -> int:
         """Every idle engine frees its prefix cache and spare KV rows, and with ``weights`` its own copy of
         the weights until the next update (``EngineFace.release_memory``); the bytes freed in this process."""
-        return sum(await asyncio.gather(*(e.release_memory(weights) for e in self.engines)))
+        # an engine is asked for its weights only when they may go (an older EngineFace takes no argument)
+        calls = (e.release_memory(weights=True) if weights else e.release_memory() for e in self.engines)
+        return sum(await asyncio.gather(*calls))
 
     # -- observing ---------------------------------------------------------------------------------
     def engine_rows(self) -> list[dict[str, Any]]:
