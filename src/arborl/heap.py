@@ -15,16 +15,28 @@ import ctypes.util
 import functools
 
 
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
 @functools.cache
-def _trim():
+def _libc(name: str):
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return getattr(libc, name)
     except (OSError, AttributeError):
         return None
 
 
 def release_free_memory() -> bool:
     """``malloc_trim(0)``: True when glibc returned memory to the system."""
-    trim = _trim()
+    trim = _libc("malloc_trim")
     return bool(trim(0)) if trim is not None else False
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (``train.malloc_mmap_threshold_mb``): every block at least
+    that large is mmapped and goes back to the system when freed, and the threshold no longer climbs (up to
+    32 MB) after such a block is freed, so a training step's large transients stop fragmenting the heap.
+    0 keeps glibc's dynamic threshold. True when set."""
+    mallopt = _libc("mallopt")
+    return nbytes > 0 and mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))

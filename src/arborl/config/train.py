@@ -358,6 +358,14 @@ class TrainConfig(Section):
         "(torch.utils.checkpoint per layer): activation memory of one layer instead of all, for about one more "
         "forward's compute per step; gradients unchanged",
     )
+    malloc_mmap_threshold_mb: int = Field(
+        16, ge=0, le=32,
+        description="glibc's mmap threshold for the job's process (MB, arborl/heap.py): blocks this large or larger "
+        "are mmapped and return to the system when freed, and the threshold stops climbing after a large free, so "
+        "the C heap fragments less (a full fine-tuning step of SmolLM2, 4 x 2048 tokens: about 0.7 GB less peak "
+        "and 2% more time; at 8 MB and below the page faults cost 25-40% of the time); 0 = glibc's dynamic "
+        "threshold. A no-op where the C library is not glibc",
+    )
     logits_chunk_tokens: int = Field(
         1024, ge=0,
         description="the LM head's logits exist for at most this many positions at a time, in the forward and the "

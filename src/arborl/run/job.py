@@ -33,6 +33,7 @@ from arborl.config import Config, ConfigError, dump_config
 from arborl.run.controller import Controller
 from arborl.extensions import check_extensions
 from arborl.failpoints import failpoint
+from arborl.heap import set_mmap_threshold
 from arborl.models import load_model
 from arborl.report import (
     MetricsLog,
@@ -102,6 +103,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
         return out
     check_extensions(cfg)
     check_loggers(cfg.report.loggers)
+    set_mmap_threshold(cfg.train.malloc_mmap_threshold_mb << 20)
     run = RunDir(cfg.run_dir, cfg.datapool)
     changes: dict[str, tuple[Any, Any]] = {}
     if resume:

@@ -36,6 +36,7 @@ from arborl.config import Config, ConfigError, dump_config
 from arborl.gateway.errors import BadRequestError
 from arborl.gateway.render import ChatRenderer
 from arborl.gateway.transcript import transcript_sample
+from arborl.heap import set_mmap_threshold
 from arborl.models import load_model
 from arborl.report import plot_run, summary_table
 from arborl.report.loggers import RunLoggers, check_loggers
@@ -152,6 +153,7 @@ def sft(cfg: Config, *, files: Sequence[str] | None = None, overwrite: bool = Fa
     if not files:
         raise ConfigError("no transcripts: pass --data FILE.jsonl or set train.sft.files")
     check_loggers(cfg.report.loggers)
+    set_mmap_threshold(cfg.train.malloc_mmap_threshold_mb << 20)
     run = RunDir(cfg.run_dir, cfg.datapool)
     if not overwrite:
         run.check_new()
