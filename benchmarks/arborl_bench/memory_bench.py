@@ -412,6 +412,30 @@ def run(quick: bool, console) -> dict:
     }
 
 
+def sft_step_child(threshold_mb: int, transcripts_n: int = 4) -> dict[str, Any]:
+    """One full fine-tuning step of the job's model on ``transcripts_n`` random transcripts of the job's
+    length in one batch, with glibc's mmap threshold at ``threshold_mb`` (0: glibc's dynamic one): the peak
+    resident memory above the start and the seconds (``train.malloc_mmap_threshold_mb``'s figures in
+    docs/training-an-agent.md; run each in a fresh process: ``python -m arborl_bench.memory_bench sft-step MB``)."""
+    from arborl.config import load_config
+    from arborl.heap import set_mmap_threshold
+    from arborl.models import load_model
+    from arborl.run.assemble import make_trainer
+    from arborl.train.sft import sft_epochs, sft_mode
+
+    set_mmap_threshold(threshold_mb << 20)
+    cfg = load_config(str(_config_path()), [])
+    loaded = load_model(cfg.model)
+    trainer = make_trainer(loaded.model, cfg.train.model_copy(update={"lora_rank": 0}), temperature=cfg.rollout.temperature)
+    samples = transcripts(random.Random(0), transcripts_n, cfg.engine.max_seq_len, loaded.vocab_size)
+    reset_peak()
+    start, t0 = rss(), time.perf_counter()
+    with sft_mode(trainer, cfg.train) as t:
+        sft_epochs(t, samples, epochs=1, batch=transcripts_n)
+    return {"threshold_mb": threshold_mb, "seconds": round(time.perf_counter() - t0, 1),
+            "peak_above_start_gb": round((peak_rss() - start) / GB, 3)}
+
+
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
     torch.set_num_threads(os.cpu_count() or 1)
@@ -419,8 +443,10 @@ def main(argv: list[str]) -> None:
         out = job_child(argv[1], quick)
     elif argv[0] == "big":
         out = big_child(quick)
+    elif argv[0] == "sft-step":
+        out = sft_step_child(int(argv[1]))
     else:
-        raise SystemExit(f"unknown part {argv[0]!r}: job before|after, or big")
+        raise SystemExit(f"unknown part {argv[0]!r}: job before|after, big, or sft-step MB")
     print(json.dumps(out))
 
 
