@@ -6,8 +6,11 @@ episode; a worker whose event loop stalls is killed and replaced."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from arborl.tasks import make_suite
 from arborl.types import EpisodeStatus
 
 HELPERS = Path(__file__).resolve().parent / "helpers" / "worker_agents.py"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp_path, agent, *extra):
@@ -123,3 +127,31 @@ def test_without_retries_an_infrastructure_failure_stays_one(tmp_path, monkeypat
     ((episode,), infra), _, stored = asyncio.run(_run(cfg, body))
     assert infra == 1 and len(stored) == 1
     assert episode.status == EpisodeStatus.FAILED and "died" in episode.meta["infra_error"]
+
+
+_WORKER_INIT = """
+import json, sys
+import arborl.workers.main
+from arborl.agents import AGENTS
+from arborl.agents.http_client import HttpSessionClient
+from arborl.config import load_config
+import arborl.envs.bwrap, arborl.envs.local
+from arborl.tasks import make_suite
+cfg = load_config(sys.argv[1], sys.argv[2:])
+suite = make_suite(cfg.rollout)
+AGENTS.get(cfg.rollout.agent)(suite, {"temperature": 1.0, "max_tokens": 8})
+print(json.dumps(sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)))
+"""
+
+
+def test_a_code_repair_worker_loads_without_torch(tmp_path):
+    """A rollout worker only speaks HTTP to the gateway: what it loads for the code-repair job (its suite,
+    the suite's agent, the sandbox runtime, the HTTP client) must not pull in torch, which costs each worker
+    ~200 MB of resident memory (issue 46)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _WORKER_INIT, str(REPO / "configs" / "code_repair.yaml"),
+         f"rollout.code_repair.suite_dir={tmp_path / 'suite'}", "rollout.code_repair.require_validated=false",
+         f"rollout.envs.root_dir={tmp_path / 'ws'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "torch" not in json.loads(out.stdout.splitlines()[-1])

@@ -14,14 +14,16 @@ import asyncio
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arborl.agents.client import SessionClient
 from arborl.envs.base import InfraError
-from arborl.gateway.core import Gateway
 from arborl.gateway.errors import GatewayError
 from arborl.registry import Registry
 from arborl.types import Call, EpisodeStatus, Task
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
 
 
 @dataclass

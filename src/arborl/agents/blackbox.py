@@ -30,9 +30,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from arborl.gateway.core import Gateway, SessionInfo
+from arborl.gateway.sessions import SessionInfo
 from arborl.types import EpisodeStatus, Task
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
 
 _META_TAIL = 8192
 _ENV_LIMIT = 64 * 1024  # bytes of task JSON passed in ARBORL_TASK; larger goes to ARBORL_TASK_FILE

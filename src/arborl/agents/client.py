@@ -11,10 +11,13 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from arborl.gateway.core import Gateway, SessionInfo
+from arborl.gateway.sessions import SessionInfo
 from arborl.types import EpisodeStatus
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
 
 
 @dataclass

@@ -24,7 +24,7 @@ from arborl.agents.blackbox import BlackBoxRunner
 from arborl.agents.client import SessionClient
 from arborl.agents.served import serve_http
 from arborl.config import ConfigError
-from arborl.gateway.core import SessionInfo
+from arborl.gateway.sessions import SessionInfo
 from arborl.types import Task
 
 _INFO_TAIL = 2000  # characters of stderr kept in the outcome's info

@@ -19,13 +19,14 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from arborl.gateway.app import create_app
-from arborl.gateway.core import Gateway
-from arborl.gateway.server import bind
 from arborl.types import ArborlError
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
 
 
 class _Server(uvicorn.Server):
@@ -47,6 +48,8 @@ _SERVED: "weakref.WeakKeyDictionary[Gateway, _Served]" = weakref.WeakKeyDictiona
 
 
 def _serve(gateway: Gateway, sock: socket.socket, base_url: str) -> _Served:
+    from arborl.gateway.app import create_app  # the gateway's app and core only where one is served
+
     config = uvicorn.Config(create_app(gateway), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=10)
     server = _Server(config)
@@ -55,6 +58,8 @@ def _serve(gateway: Gateway, sock: socket.socket, base_url: str) -> _Served:
 
 
 def _start(gateway: Gateway, host: str) -> _Served:
+    from arborl.gateway.server import bind
+
     sock = bind(host, 0)
     shown = f"[{host}]" if ":" in host else host
     return _serve(gateway, sock, f"http://{shown}:{sock.getsockname()[1]}/v1")

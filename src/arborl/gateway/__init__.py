@@ -6,9 +6,13 @@
 
 Engines are placed by the engine pool (``arborl.engine.pool``); training samples are built from the
 recorded calls by ``arborl.train.samples``; ``arborl.run.assemble`` builds a gateway from a config.
+
+``Gateway`` and ``RequestRun`` load on first use: they bring the engine (and torch) with them, which a
+rollout worker that only speaks HTTP to the gateway, or reads its errors, never needs.
 """
 
-from arborl.gateway.core import Gateway, RequestRun, SessionInfo
+from typing import TYPE_CHECKING, Any
+
 from arborl.gateway.errors import (
     AuthenticationError,
     BadRequestError,
@@ -19,7 +23,11 @@ from arborl.gateway.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
-from arborl.gateway.sessions import Session
+from arborl.gateway.sessions import Session, SessionInfo
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
+    from arborl.gateway.run import RequestRun
 
 __all__ = [
     "AuthenticationError",
@@ -35,3 +43,15 @@ __all__ = [
     "SessionInfo",
     "UnavailableError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Gateway":
+        from arborl.gateway.core import Gateway
+
+        return Gateway
+    if name == "RequestRun":
+        from arborl.gateway.run import RequestRun
+
+        return RequestRun
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

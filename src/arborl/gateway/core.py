@@ -24,7 +24,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from arborl.config import GatewayConfig
@@ -35,24 +34,13 @@ from arborl.gateway.errors import BadRequestError, GatewayError, NotFoundError
 from arborl.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from arborl.gateway.render import ChatRenderer, normalize_messages
 from arborl.gateway.run import Choice, RequestRun
-from arborl.gateway.sessions import Session, SessionStore, episode_meta, new_key
+from arborl.gateway.sessions import Session, SessionInfo, SessionStore, episode_meta, new_key
 from arborl.gateway.stitching import Stitched, message_chain, stitch_chat
 from arborl.prefix import common_prefix_len
 from arborl.train.samples import episode_samples
 from arborl.types import Call, Episode, EpisodeStatus, GenerateRequest, InvalidRequestError, SamplingParams, new_id, to_dict
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SessionInfo:
-    session: Session
-    api_key: str  # the agent's key (what a black-box or sandboxed agent program is given)
-    harness_key: str | None = None  # the harness's key: rewards too, whatever the agent is trusted with
-
-    @property
-    def session_id(self) -> str:
-        return self.session.session_id
 
 
 class Gateway:

@@ -71,6 +71,19 @@ class Session:
             )
 
 
+@dataclass
+class SessionInfo:
+    """An open session and the keys handed out for it."""
+
+    session: Session
+    api_key: str  # the agent's key (what a black-box or sandboxed agent program is given)
+    harness_key: str | None = None  # the harness's key: rewards too, whatever the agent is trusted with
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+
 class SessionStore:
     def __init__(self, admin_key: str) -> None:
         if not admin_key:

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from arborl.agents.client import SessionClient
-from arborl.gateway.core import Gateway
 from arborl.types import ArborlError
+
+if TYPE_CHECKING:
+    from arborl.gateway.core import Gateway
 
 PROMPT = """You review a code change made by an automated agent to fix a reported problem. Hidden tests \
 check the fix; your job is to catch changes that would pass tests without really fixing the problem:
