@@ -1,5 +1,7 @@
 """train.activation_checkpointing: each decoder layer keeps only its input for the backward and runs
-again there; the gradients are exactly those without it, and the saved activations shrink."""
+again there; the gradients are exactly those without it, and the saved activations shrink.
+train.release_heap_per_layer: the C heap is trimmed after each layer's forward and backward,
+with the same values and gradients."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from arborl.train.trainer import Trainer
 VOCAB = 128
 
 
-def _grads(m, batch, backend: str, checkpoint: bool):
+def _grads(m, batch, backend: str, checkpoint: bool, trim_heap: bool = False):
     m.zero_grad(set_to_none=True)
-    logps, ents = packed_logprobs(m, batch, with_entropy=True, attention=backend, checkpoint=checkpoint)
+    logps, ents = packed_logprobs(m, batch, with_entropy=True, attention=backend, checkpoint=checkpoint,
+                                  trim_heap=trim_heap)
     loss = sum((lp * (i + 1)).sum() - 0.01 * e.sum() for i, (lp, e) in enumerate(zip(logps, ents)))
     loss.backward()
     return [lp.detach() for lp in logps], [p.grad.clone() for p in m.parameters()]
@@ -91,3 +94,38 @@ def test_the_knob_trains_the_same_step_with_recomputation(layer_runs):
     assert layer_runs == [0, 1, 1, 0]  # one micro-batch: its forward and the backward's recomputation
     assert torch.equal(params_of(m), params_of(ref)) and a["train/grad_norm"] == b["train/grad_norm"]
     assert not torch.equal(params_of(m), params_of(model()))  # it trained
+
+
+@pytest.fixture
+def heap_trims(monkeypatch) -> list[int]:
+    """Every malloc_trim the shared forward asks for."""
+    calls: list[int] = []
+    monkeypatch.setattr(forward, "release_free_memory", lambda: calls.append(1) or True)
+    return calls
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_heap_is_trimmed_after_each_layer_pass_with_the_same_values_and_gradients(heap_trims, checkpoint):
+    layers = 3
+    m = tiny_llama(layers=layers, hidden=32, vocab=VOCAB, heads=4, kv_heads=2, seed=4)
+    batch = pack([s.token_ids for s in make_samples(5)], mode="tree")
+    lp0, g0 = _grads(m, batch, "blocks", checkpoint)
+    assert heap_trims == []
+    lp1, g1 = _grads(m, batch, "blocks", checkpoint, trim_heap=True)
+    # after each layer's forward and after its backward (which follows its recompute under checkpointing:
+    # torch stops a recompute early, once it has what the backward needs, so the trim comes after)
+    assert len(heap_trims) == layers * 2
+    assert all(torch.equal(a, b) for a, b in zip(lp0, lp1))
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_the_trainer_trims_the_heap_per_layer_on_cpu_unless_the_knob_is_off(heap_trims):
+    samples = make_samples(2)
+    ref, m = model(), model()
+    Trainer(ref, TrainConfig(lr=1e-2, memory_limit_gb=0, activation_checkpointing=True)).train_step(samples)
+    assert len(heap_trims) == 2 * 2  # two layers: forward, backward
+    heap_trims.clear()
+    Trainer(m, TrainConfig(lr=1e-2, memory_limit_gb=0, activation_checkpointing=True,
+                           release_heap_per_layer=False)).train_step(samples)
+    assert heap_trims == []
+    assert torch.equal(params_of(m), params_of(ref))

@@ -82,3 +82,43 @@ def test_a_plain_release_keeps_the_weights_and_the_pool_passes_weights_on():
                 e.shutdown()
 
     asyncio.run(run())
+
+
+def test_an_evaluation_leaves_no_cached_kv_behind(tmp_path):
+    """The held-out episodes' prefix-cache KV is of no use to the training rollouts that follow: the engines
+    release it when an evaluation ends with nothing else in flight (it had stayed through the next rollout,
+    the code-repair job's peak)."""
+    from arborl.config import load_config
+    from arborl.run.assemble import build_gateway
+    from arborl.run.controller import Controller
+    from arborl.tasks import make_suite
+
+    cfg = load_config(None, [
+        "name=ev", f"runs_dir={tmp_path}", "model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1",
+        "model.tiny_hidden=32", "engine.max_seq_len=256", "scheduling.timeline=false", "rollout.task=even_tokens",
+        "rollout.max_tokens=4"])
+    built = build_gateway(cfg)
+    engines = [e.engine for e in built.engines.engines]
+
+    async def body():
+        ctl = Controller(cfg, built.gateway, built.engines, built.pool, None, make_suite(cfg.rollout))
+        try:
+            cached = []
+            real = ctl.engines.release_memory
+
+            async def seen(*a, **kw):  # what the caches held when the release came
+                cached.append(sum(e.prefix_cache.cached_tokens for e in engines))
+                return await real(*a, **kw)
+
+            ctl.engines.release_memory = seen
+            out = await ctl.evaluate(3)
+            return out, cached
+        finally:
+            await ctl.close()
+
+    try:
+        out, cached = asyncio.run(body())
+    finally:
+        built.close()
+    assert out["eval_s"] > 0 and cached and cached[-1] > 0  # the evaluation had filled the cache ...
+    assert sum(e.prefix_cache.cached_tokens for e in engines) == 0  # ... and left it empty

@@ -366,6 +366,14 @@ class TrainConfig(Section):
         "and 2% more time; at 8 MB and below the page faults cost 25-40% of the time); 0 = glibc's dynamic "
         "threshold. A no-op where the C library is not glibc",
     )
+    release_heap_per_layer: bool = Field(
+        True,
+        description="CPU training: the C heap's free pages go back to the system after each decoder layer's forward and "
+        "backward (glibc malloc_trim). A layer's transients come in many sizes and interleave with what "
+        "the backward keeps, so without it the heap keeps every layer's freed transients: one LoRA micro-batch of "
+        "4096 tokens of SmolLM2 (activation checkpointing on) peaked 4.53 GB above its start without it and 1.70 GB "
+        "with it, in the same time. Values and gradients unchanged; a no-op on GPU and where the C library is not glibc",
+    )
     logits_chunk_tokens: int = Field(
         1024, ge=0,
         description="the LM head's logits exist for at most this many positions at a time, in the forward and the "

@@ -11,6 +11,7 @@ logits to this one.
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from arborl.heap import release_free_memory
 from arborl.types import ArborlError
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [b, h, s, d] -> [b, hq, s, d]
@@ -118,6 +120,7 @@ def decoder_hidden(
     linear: Linear | None = None,
     *,
     checkpoint: bool = False,
+    trim_heap: bool = False,
 ) -> torch.Tensor:
     """Decoder layers over ``input_ids`` [b, s] at ``position_ids`` [b, s]; returns hidden states
     [b, s, hidden] before the final norm.
@@ -126,14 +129,22 @@ def decoder_hidden(
     on, each layer keeps only its input for the backward and runs again there
     (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer instead of all of
     them, for one more forward's compute. The same operations on the same inputs: the gradients are
-    those of the plain forward."""
+    those of the plain forward.
+
+    ``trim_heap`` (``train.release_heap_per_layer``): the C heap's free pages go back to the system after
+    each layer's forward and after its backward, which includes its recompute (``malloc_trim``). A layer's transients come in
+    many sizes (attention blocks, MLP activations) and interleave with the tensors kept for the backward,
+    so without it the heap grows by the freed transients of every layer. Values and gradients unchanged."""
     decoder = model.model
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     recompute = checkpoint and torch.is_grad_enabled()
-    run = _recomputed_layer if recompute else decoder_layer
+    body = _trimmed_layer if trim_heap else decoder_layer
+    run = functools.partial(_recomputed_layer, body) if recompute else body
     for i, layer in enumerate(decoder.layers):
+        if trim_heap and h.requires_grad:  # fires once the gradient of the layer's input is computed
+            h.register_hook(_trim_after_backward)
         args = (layer, h, cos, sin, make_attend(i), linear)
         # a layer made call-through (train.parallel shards it with FSDP2) runs its body inside its own
         # __call__, so the hooks that gather and free its parameters run around it
@@ -141,8 +152,20 @@ def decoder_hidden(
     return h
 
 
-def _recomputed_layer(*args) -> torch.Tensor:
-    return torch.utils.checkpoint.checkpoint(decoder_layer, *args, use_reentrant=False)
+def _recomputed_layer(body: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False)
+
+
+def _trimmed_layer(*args) -> torch.Tensor:
+    # under checkpointing torch stops the recompute early, once it has what the backward needs: the trim
+    # below runs after the forward only, and the backward's hook trims after the recompute
+    out = decoder_layer(*args)
+    release_free_memory()
+    return out
+
+
+def _trim_after_backward(grad: torch.Tensor) -> None:
+    release_free_memory()
 
 
 CALL_THROUGH = "_arborl_call_through"

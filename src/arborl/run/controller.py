@@ -502,6 +502,8 @@ class Controller:
         t0 = time.perf_counter()
         episodes = await self.run_groups(tasks, 1, temperature=self.cfg.rollout.eval_temperature,
                                          tag=f"{split}-v{self.version}")
+        if not self._running:  # the held-out episodes' cached KV serves no training rollout: it goes before them
+            await self.engines.release_memory()
         return {
             "eval_success": sum(e.reward_components.get("outcome", 0.0) >= 1.0 for e in episodes) / len(episodes),
             "eval_reward": sum(e.reward or 0.0 for e in episodes) / len(episodes),

@@ -282,11 +282,13 @@ def _padded_rows(batch: PackedBatch, device: torch.device, multiple: int = 1):
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[False] = ..., attention: Backend = ...,
     block_size: int = ..., temperature: float = ..., checkpoint: bool = ..., logits_chunk: int = ...,
+    trim_heap: bool = ...,
 ) -> list[torch.Tensor]: ...
 @overload
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, *, with_entropy: Literal[True], attention: Backend = ...,
     block_size: int = ..., temperature: float = ..., checkpoint: bool = ..., logits_chunk: int = ...,
+    trim_heap: bool = ...,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
@@ -300,6 +302,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     checkpoint: bool = False,
     logits_chunk: int = 0,
+    trim_heap: bool = False,
 ):
     """Per-sample next-token log-probs (and entropies) of ``batch`` under ``model``.
 
@@ -317,6 +320,8 @@ def packed_logprobs(
     default), ``dense`` (padded rows, dense mask; reference) or ``flex``.
 
     ``checkpoint``: activation checkpointing per decoder layer (``decoder_hidden``); same gradients.
+
+    ``trim_heap``: the C heap's free pages go back to the system after each decoder layer (``decoder_hidden``).
 
     ``logits_chunk``: the LM head's logits of at most this many positions exist at once, forward and
     backward (``train/head_logprobs.py``; 0 = all positions' at once); same values and gradients.
@@ -338,13 +343,13 @@ def packed_logprobs(
         attend = blocks_attend(plan, scale, gqa, device)
         hidden = decoder_hidden(
             model, batch.input_ids.to(device)[None], batch.position_ids.to(device)[None], lambda _: attend,
-            checkpoint=checkpoint,
+            checkpoint=checkpoint, trim_heap=trim_heap,
         )[0]
     else:
         # flex: a few padded lengths, so that the compiled kernel is not rebuilt for every batch
         ids, pos, end, real = _padded_rows(batch, device, 128 if backend == "flex" else 1)
         attend = dense_attend(end, scale, gqa) if backend == "dense" else flex_attend(end, scale, gqa)
-        hidden = decoder_hidden(model, ids, pos, lambda _: attend, checkpoint=checkpoint)
+        hidden = decoder_hidden(model, ids, pos, lambda _: attend, checkpoint=checkpoint, trim_heap=trim_heap)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real)
 
     logp, entropy = head_logprobs(

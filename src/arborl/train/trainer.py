@@ -342,7 +342,8 @@ class Trainer:
     def _forward(self, batch, *, with_entropy: bool = False):
         """The policy's per-sample log-probs (and entropies) of a packed batch."""
         return packed_logprobs(self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
-                               checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens)
+                               checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens,
+                               trim_heap=self.cfg.release_heap_per_layer and self.device.type == "cpu")
 
     def _grad_sq_sum(self) -> torch.Tensor:
         """Sum of the squared gradients this process holds, accumulated in float64."""
