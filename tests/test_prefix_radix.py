@@ -301,3 +301,31 @@ def test_deep_tree_needs_no_recursion() -> None:
     assert [n.start for n in nodes] == list(range(depth))
     assert tree.sequences() == [full]
     assert tree.evict(depth) == depth and len(tree) == 0
+
+
+def test_a_dropped_tree_frees_its_values_without_the_cycle_collector() -> None:
+    """Nodes hold their parents weakly: dropping a tree (the prefix cache does at every weight update)
+    frees every node's value by reference counting, not at the next full garbage collection."""
+    import gc
+    import weakref
+
+    class Piece:  # stands for a KV tensor
+        def __init__(self, a: int, b: int) -> None:
+            self.span = (a, b)
+
+        def split(self, k: int) -> tuple[Piece, Piece]:
+            return Piece(self.span[0], self.span[0] + k), Piece(self.span[0] + k, self.span[1])
+
+    tree: RadixTree[Piece] = RadixTree(split_value=lambda v, k: v.split(k))
+    for s in [(0, 1, 2, 3), (0, 1, 5), (0, 2), (4,)]:
+        tree.insert(s, Piece)
+    tree.match_prefix((0, 1, 2), split=True)
+    alive = [weakref.ref(n.value) for n in tree.dfs()]
+    assert len(alive) == 7 and all(r() is not None for r in alive)
+    assert all(n.parent is not None for n in tree.dfs())
+    gc.disable()
+    try:
+        del tree
+        assert [r() for r in alive] == [None] * 7
+    finally:
+        gc.enable()
