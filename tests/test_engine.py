@@ -332,22 +332,70 @@ def test_kv_slots_grow_with_the_sequences_running_not_the_batch_allowed():
         eng.runner.kv.ensure(8, 33)
 
 
+def test_kv_growth_holds_one_layer_more_than_the_grown_cache_not_old_and_new(monkeypatch):
+    """Growing the rows and the capacity allocates layer by layer and drops each old layer once copied: the
+    KV alive at any allocation is at most the grown cache plus one layer (one tensor for all layers held the
+    old cache and the new one together), and every sequence's KV survives the growth unchanged."""
+    from arborl.engine import kv_cache
+
+    model = tiny_llama(layers=6, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=0)
+    eng = make_engine(model, max_batch_size=32, max_seq_len=1024)
+    kv = eng.runner.kv
+    eng.generate([GenerateRequest(prompt(70 + i, 200 + i), greedy(3)) for i in range(4)])
+    before = [kv.read(s, 0, 200) for s in range(4)]
+    real_zeros, alive = kv_cache._zeros, []
+
+    def counting_zeros(shape, dtype, device):
+        t = real_zeros(shape, dtype, device)
+        alive.append(kv.nbytes + t.nbytes)  # the cache's layers now (some old, some new) and the new one
+        return t
+
+    monkeypatch.setattr(kv_cache, "_zeros", counting_zeros)
+    old = kv.nbytes
+    kv.ensure(2 * kv.capacity, 2 * kv.slots)
+    grown = kv.nbytes
+    assert len(alive) == kv.num_layers and grown == 4 * old
+    assert max(alive) <= grown + grown // kv.num_layers < old + grown
+    for s in range(4):
+        assert torch.equal(kv.read(s, 0, 200), before[s])
+
+
 def test_release_memory_frees_an_idle_engines_caches_and_nothing_of_a_busy_one():
     model = make_model()
     eng = make_engine(model, max_batch_size=16, max_seq_len=512)
     reqs = [GenerateRequest(prompt(70 + i, 300), greedy(4)) for i in range(9)]
     eng.generate(reqs)
-    kv_before, cached = eng.runner.kv.data.nbytes, eng.prefix_cache.nbytes()
+    kv_before, cached = eng.runner.kv.nbytes, eng.prefix_cache.nbytes()
     assert cached > 0 and eng.runner.kv.slots >= 9
     eng.add_request(GenerateRequest(prompt(90, 20), greedy(2)))  # waiting: the engine is not idle
     assert eng.release_memory() == 0 and eng.prefix_cache.nbytes() == cached
     eng.run_until_done()
     cached = eng.prefix_cache.nbytes()
     freed = eng.release_memory()
-    assert freed == cached + kv_before - eng.runner.kv.data.nbytes and eng.runner.kv.slots == 4
+    assert freed == cached + kv_before - eng.runner.kv.nbytes and eng.runner.kv.slots == 4
     assert eng.prefix_cache.nbytes() == 0 and eng.runner.kv.capacity == 256
     for r in eng.generate(reqs[:6]):  # the rows and capacity grow again, the tokens are the same
         assert_matches_reference(model, r)
+
+
+def test_released_prefix_kv_is_freed_at_once_not_at_the_next_full_garbage_collection():
+    """The cached KV that release_memory (and every weight update) drops is freed when dropped: with the
+    cycle collector off, no piece survives (a parent/child cycle in the tree kept 0.5 GB of a code-repair
+    evaluation split alive until a full collection, split after split)."""
+    import gc
+    import weakref
+
+    eng = make_engine(max_batch_size=8, max_seq_len=512)
+    base = prompt(95, 120)
+    eng.generate([GenerateRequest(base + prompt(96 + i, 30), greedy(4)) for i in range(4)])
+    pieces = [weakref.ref(n.value) for n in eng.prefix_cache.tree.dfs() if n.value is not None]
+    assert len(pieces) >= 5  # the shared 120 tokens split off the four prompts' own tails
+    gc.disable()
+    try:
+        assert eng.release_memory() > 0
+        assert [p() for p in pieces] == [None] * len(pieces)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -257,8 +257,9 @@ def test_streamed_tensors_are_asked_for_in_huge_pages():
     assert panels.data_ptr() % (2 << 20) == 0
     cache = LLMEngine(tiny_llama(), EngineConfig(max_seq_len=4096, max_batch_size=64), eos_token_ids=[0]).runner.kv
     cache.ensure(4096, 64)  # grown to every slot and the whole context: what a full batch streams
-    kv = cache.data
-    assert kv.data_ptr() % (2 << 20) == 0 and not kv.any()
+    for i in range(cache.num_layers):
+        kv = cache.layer(i)[0]
+        assert kv.data_ptr() % (2 << 20) == 0 and not kv.any()
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
     if "[never]" not in mode and _thp_flag(big.data_ptr()) is not None:

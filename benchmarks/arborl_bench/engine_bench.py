@@ -268,8 +268,8 @@ def decode_roofline(model, limits: dict, batches: tuple[int, ...], *, bf16: bool
         groups = runner.linear.packed_groups().values() if runner.linear is not None else []
         weight_bytes = sum(p.panels.nbytes if runner.linear.uses_panels(p, b) else p.onednn.nbytes for p in groups)
         flops = 2 * b * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
-        kv = runner.kv.data  # [layers, 2, slots, kv heads, capacity, head dim]
-        kv_bytes = kv.shape[0] * 2 * b * kv.shape[3] * (context + 1 + steps // 2) * kv.shape[5] * kv.element_size()
+        k = runner.kv.layer(0)[0]  # [slots, kv heads, capacity, head dim]
+        kv_bytes = runner.kv.num_layers * 2 * b * k.shape[1] * (context + 1 + steps // 2) * k.shape[3] * k.element_size()
         mem_s, gemm_s = weight_bytes / (limits["copy_gb_per_s"] * 1e9), flops / peak
         kv_s = kv_bytes / (limits["copy_gb_per_s"] * 1e9)
         out[b] = {"step_ms": round(t * 1e3, 2), "limit_ms": round(max(mem_s, gemm_s) * 1e3, 2),

@@ -110,7 +110,7 @@ def components(trainer, engine, extra: dict[str, int] | None = None) -> dict[str
     if engine.runner.linear is not None:
         packed = _tensor_bytes(t for w in engine.runner.linear.packed_groups().values()
                                for t in (w.onednn, w.panels, w.bias, w.scales) if t is not None)
-    kv = engine.runner.kv.data.untyped_storage().nbytes()
+    kv = engine.runner.kv.nbytes
     prefix = _tensor_bytes(n.value for n in engine.prefix_cache.tree.dfs() if n.value is not None)
     out = {"trainer_weights": trainer_w, "gradients": grads, "optimizer": opt, "engine_module": engine_w,
            "engine_packed": packed, "kv_cache": kv, "prefix_cache": prefix, **(extra or {})}
