@@ -3,8 +3,14 @@ holding less than today's, and the LoRA step of the large-model part run whole (
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from arborl_bench import BENCHMARKS
-from arborl_bench.memory_bench import big_child, job_child
+from arborl_bench.memory_bench import big_child, job_child, whole_job
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = ["model.source=tiny", "model.tiny_tokenizer=none", "model.tiny_vocab=4096", "model.tiny_layers=2",
         "model.tiny_hidden=64", "engine.max_seq_len=320", "train.micro_batch_tokens=640", "train.logits_chunk_tokens=64"]
@@ -32,3 +38,20 @@ def test_a_lora_grpo_step_of_a_small_shape_runs_whole():
     assert out["episodes"] == 2 and out["loss_tokens"] == 2 * 4 and out["finite_loss"]
     assert abs(out["step_s"] - (out["rollout_s"] + out["train_s"] + out["sync_s"])) <= 0.15
     assert out["peak_rss_gb"] >= out["step_peak_rss_gb"] > 0
+
+
+def test_the_whole_job_is_run_as_a_user_runs_it_and_its_process_tree_measured(tmp_path):
+    """bench memory's part 3 on a short calculator job: a real `arborl train` process, its tree's peak (a
+    Python process with torch holds more than 150 MB) and its held-out figures; a run that fails, or a
+    config whose SFT files are missing, is an error saying what to do."""
+    short = ["model.source=tiny", "model.tiny_tokenizer=smollm2", "model.tiny_layers=1", "model.tiny_hidden=32",
+             "engine.max_seq_len=256", "rollout.steps=1", "rollout.batch_tasks=1", "rollout.group_size=2",
+             "rollout.max_tokens=5", "rollout.eval_tasks=2", "report.curves=false"]
+    out = whole_job(REPO / "configs/default.yaml", short, tmp_path)
+    assert out["peak_rss_gb"] > 0.15 and out["wall_s"] > 0
+    assert {"eval_success_before", "eval_success_after"} <= set(out["eval"])
+    assert (tmp_path / "job" / "metrics.jsonl").is_file()
+    with pytest.raises(RuntimeError, match="see .*bad.log"):
+        whole_job(REPO / "configs/default.yaml", [*short, "rollout.task=no_such_task"], tmp_path, name="bad")
+    with pytest.raises(FileNotFoundError, match="make code-repair-demos"):
+        whole_job(REPO / "configs/default.yaml", [*short, f"train.sft.files=[{tmp_path}/none.jsonl]"], tmp_path)
