@@ -123,6 +123,6 @@ class SlotKVCache:
         was verified at tree positions moves to consecutive ones)."""
         if src != dst:
             d = self._layers[0].device
-            s, t_ = torch.tensor(src, device=d), torch.tensor(dst, device=d)
+            src_pos, dst_pos = torch.tensor(src, device=d), torch.tensor(dst, device=d)
             for t in self._layers:
-                t[:, slot, :, t_] = t[:, slot, :, s]
+                t[:, slot, :, dst_pos] = t[:, slot, :, src_pos]
