@@ -4,7 +4,8 @@ It drives a Hugging Face decoder's own modules (Llama / Qwen2 / Qwen3 / Mistral 
 embeddings, norms, q/k/v/o projections, MLPs, rotary embedding, LM head) and leaves only attention
 to the caller, through ``make_attend(layer) -> attend(q, k, v)``: the engine attends over its KV
 slots, tree packing attends under an ancestor mask. Sharing this code keeps the trainer's and the
-engine's numbers the same. The engine's CPU default for a Llama-layout model is a second, leaner
+engine's numbers the same. Under autograd the Llama family's RMSNorms and gated MLP run as
+``models/lean_backward.py``'s functions: the modules' values, less kept for the backward. The engine's CPU default for a Llama-layout model is a second, leaner
 forward over packed weights (``engine/packed_forward.py``); ``tests/test_engine_perf.py`` ties its
 logits to this one.
 """
@@ -21,6 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from arborl.heap import release_free_memory
+from arborl.models.lean_backward import gated_mlp, rms_norm
 from arborl.types import ArborlError
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [b, h, s, d] -> [b, hq, s, d]
@@ -87,7 +89,9 @@ def _call(modules: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, linear: Linear | None) -> torch.Tensor:
-    if linear is None or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if linear is None:
+        return gated_mlp(mlp, x)
+    if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
     # the gated MLP of the Llama family, written out so its projections go through ``linear``
     gate, up = linear((mlp.gate_proj, mlp.up_proj), x)
@@ -101,15 +105,15 @@ def decoder_layer(
     lin = linear or _call
     attn = layer.self_attn
     b, s, _ = h.shape
-    x = layer.input_layernorm(h)
+    x = rms_norm(layer.input_layernorm, h)
     q, k, v = (t.view(b, s, -1, attn.head_dim) for t in lin((attn.q_proj, attn.k_proj, attn.v_proj), x))
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q = rope(q.transpose(1, 2), cos, sin)
     k = rope(k.transpose(1, 2), cos, sin)
     out = attend(q, k, v.transpose(1, 2))
     h = h + lin((attn.o_proj,), out.transpose(1, 2).reshape(b, s, -1))[0]
-    return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), linear)
+    return h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h), linear)
 
 
 def decoder_hidden(
