@@ -96,6 +96,28 @@ def test_the_knob_trains_the_same_step_with_recomputation(layer_runs):
     assert not torch.equal(params_of(m), params_of(model()))  # it trained
 
 
+def test_the_layers_knob_checkpoints_the_first_n_layers_only(layer_runs):
+    m = tiny_llama(layers=4, hidden=64, vocab=VOCAB, heads=4, kv_heads=2, seed=4)
+    batch = pack([s.token_ids for s in make_samples(6, groups=3, size=4)], mode="tree")
+    lp_all, g_all = _grads(m, batch, "blocks", checkpoint=True)
+    layer_runs.clear()
+    lp_two, g_two = _grads(m, batch, "blocks", checkpoint=2)
+    assert layer_runs == [0, 1, 2, 3, 1, 0]  # only the first two run again in the backward
+    assert all(torch.equal(a, b) for a, b in zip(lp_all, lp_two))
+    assert all(torch.equal(a, b) for a, b in zip(g_all, g_two))
+    saved = {n: _saved_bytes(m, batch, checkpoint=n) for n in (False, 2, True)}
+    assert saved[True] < saved[2] < saved[False]  # half the layers: between none and all
+    layer_runs.clear()
+    samples = make_samples(2)
+    for n, runs in ((None, [0, 1, 1, 0]), (1, [0, 1, 0]), (0, [0, 1])):
+        Trainer(model(), TrainConfig(lr=1e-2, activation_checkpointing=True, activation_checkpointing_layers=n,
+                                     memory_limit_gb=0)).train_step(samples)
+        assert layer_runs == runs, n
+        layer_runs.clear()
+    Trainer(model(), TrainConfig(lr=1e-2, activation_checkpointing_layers=1, memory_limit_gb=0)).train_step(samples)
+    assert layer_runs == [0, 1]  # no effect without activation_checkpointing
+
+
 @pytest.fixture
 def heap_trims(monkeypatch) -> list[int]:
     """Every malloc_trim the shared forward asks for."""

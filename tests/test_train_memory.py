@@ -43,6 +43,16 @@ def test_a_step_that_cannot_fit_fails_before_any_forward_and_names_the_knob():
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))
 
 
+def test_with_some_layers_checkpointed_the_error_says_to_checkpoint_more():
+    trainer = Trainer(_model(), TrainConfig(packing="flat", activation_checkpointing=True,
+                                            activation_checkpointing_layers=1))
+    need = trainer.check_memory(240)
+    static = need.weights + need.gradients + need.optimizer
+    trainer.cfg = trainer.cfg.model_copy(update={"memory_limit_gb": (static + need.activations / 2) / GB})
+    with pytest.raises(TrainMemoryError, match=r"micro_batch_tokens.*activation_checkpointing_layers, now 1"):
+        trainer.train_step(_samples())
+
+
 def test_the_estimate_grows_with_the_micro_batch_and_the_logits_knob_bounds_it():
     big_vocab = 4096
     plain = Trainer(_model(big_vocab), TrainConfig(logits_chunk_tokens=0))

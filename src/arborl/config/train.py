@@ -358,6 +358,13 @@ class TrainConfig(Section):
         "(torch.utils.checkpoint per layer): activation memory of one layer instead of all, for about one more "
         "forward's compute per step; gradients unchanged",
     )
+    activation_checkpointing_layers: int | None = Field(
+        None, ge=0,
+        description="with activation_checkpointing: only the first N decoder layers are checkpointed, the rest keep "
+        "their activations for the backward -- between none and all, N layers' recompute for N layers' activations "
+        "(SmolLM2's 30 layers: 0.86 MB a token without checkpointing, 74 KB with every layer); None = every layer. "
+        "No effect without activation_checkpointing",
+    )
     malloc_mmap_threshold_mb: int = Field(
         16, ge=0, le=32,
         description="glibc's mmap threshold for the job's process (MB, arborl/heap.py): blocks this large or larger "
@@ -407,6 +414,12 @@ class TrainConfig(Section):
         "(vLLM, SGLang, Ray actors) get merged weights. No effect without lora_rank > 0",
     )
 
+    @property
+    def checkpoint_layers(self) -> bool | int:
+        """The decoder forward's ``checkpoint``: False, True (every layer) or the number of first layers."""
+        if not self.activation_checkpointing:
+            return False
+        return True if self.activation_checkpointing_layers is None else self.activation_checkpointing_layers
 
     @model_validator(mode="after")
     def _decoupled_needs_proximal(self) -> "TrainConfig":

@@ -123,7 +123,7 @@ def decoder_hidden(
     make_attend: Callable[[int], Attend],
     linear: Linear | None = None,
     *,
-    checkpoint: bool = False,
+    checkpoint: bool | int = False,
     trim_heap: bool = False,
 ) -> torch.Tensor:
     """Decoder layers over ``input_ids`` [b, s] at ``position_ids`` [b, s]; returns hidden states
@@ -133,7 +133,8 @@ def decoder_hidden(
     on, each layer keeps only its input for the backward and runs again there
     (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer instead of all of
     them, for one more forward's compute. The same operations on the same inputs: the gradients are
-    those of the plain forward.
+    those of the plain forward. An int ``n`` (``train.activation_checkpointing_layers``) checkpoints the
+    first ``n`` layers only; the others keep their activations.
 
     ``trim_heap`` (``train.release_heap_per_layer``): the C heap's free pages go back to the system after
     each layer's forward and after its backward, which includes its recompute (``malloc_trim``). A layer's transients come in
@@ -143,10 +144,11 @@ def decoder_hidden(
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    recompute = checkpoint and torch.is_grad_enabled()
+    checkpointed = (len(decoder.layers) if checkpoint is True else int(checkpoint)) if torch.is_grad_enabled() else 0
     body = _trimmed_layer if trim_heap else decoder_layer
-    run = functools.partial(_recomputed_layer, body) if recompute else body
+    recomputed = functools.partial(_recomputed_layer, body)
     for i, layer in enumerate(decoder.layers):
+        run = recomputed if i < checkpointed else body
         if trim_heap and h.requires_grad:  # fires once the gradient of the layer's input is computed
             h.register_hook(_trim_after_backward)
         args = (layer, h, cos, sin, make_attend(i), linear)

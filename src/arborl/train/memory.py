@@ -161,10 +161,11 @@ def held_bytes(trainer) -> int:
 
 
 def check_fits(need: StepMemory, limit_gb: float | None, device: torch.device, *, held: int,
-               checkpointing: bool) -> None:
+               checkpointing: bool | int) -> None:
     """Raise :class:`TrainMemoryError`, naming the knob to lower, when ``need`` exceeds the budget:
     ``limit_gb``, or (None) the device's memory less what the process holds besides ``held`` (the
-    trainer's share of it). ``checkpointing``: train.activation_checkpointing is on (not advised then)."""
+    trainer's share of it). ``checkpointing``: the forward's (TrainConfig.checkpoint_layers): True, every layer
+    (not advised then), or how many layers are."""
     if limit_gb is not None:
         budget, where = int(limit_gb * GB), f"train.memory_limit_gb = {limit_gb:g}"
     else:
@@ -179,8 +180,14 @@ def check_fits(need: StepMemory, limit_gb: float | None, device: torch.device, *
     elif max(dynamic, key=dynamic.get) == "logits":
         advice = "lower train.logits_chunk_tokens (logits of fewer positions at once; 0 means every position's)"
     else:
-        advice = "lower train.micro_batch_tokens (fewer tokens per forward)" + (
-            "" if checkpointing else ", or set train.activation_checkpointing=true (a layer's activations at a time)")
+        if checkpointing is True:
+            more = ""
+        elif checkpointing:
+            more = (f", or checkpoint more of the decoder's layers (train.activation_checkpointing_layers, now "
+                    f"{int(checkpointing)}; unset = every layer)")
+        else:
+            more = ", or set train.activation_checkpointing=true (a layer's activations at a time)"
+        advice = "lower train.micro_batch_tokens (fewer tokens per forward)" + more
     raise TrainMemoryError(
         f"a training step needs at least {readable(need.total)} ({need.table()}) but may use {readable(budget)} "
         f"({where}): {advice}"

@@ -300,7 +300,7 @@ def packed_logprobs(
     attention: Backend = "auto",
     block_size: int = DEFAULT_BLOCK_SIZE,
     temperature: float = 1.0,
-    checkpoint: bool = False,
+    checkpoint: bool | int = False,
     logits_chunk: int = 0,
     trim_heap: bool = False,
 ):
@@ -319,7 +319,8 @@ def packed_logprobs(
     else ``blocks``), ``blocks`` (block-sparse SDPA over one concatenated sequence; the CPU
     default), ``dense`` (padded rows, dense mask; reference) or ``flex``.
 
-    ``checkpoint``: activation checkpointing per decoder layer (``decoder_hidden``); same gradients.
+    ``checkpoint``: activation checkpointing per decoder layer (``decoder_hidden``; True = every layer, an int
+    the first that many); same gradients.
 
     ``trim_heap``: the C heap's free pages go back to the system after each decoder layer (``decoder_hidden``).
 

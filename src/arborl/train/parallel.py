@@ -207,7 +207,7 @@ class ShardedTrainer(Trainer):
 
     def _forward(self, batch, *, with_entropy: bool = False):
         return self.root(packed_logprobs, self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
-                         checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens)
+                         checkpoint=self.cfg.checkpoint_layers, logits_chunk=self.cfg.logits_chunk_tokens)
 
     # -- the plan every rank computes -------------------------------------------------------------
     def _plan(self, samples: list[Sample], rows: list[int]) -> StepPlan:

@@ -251,13 +251,13 @@ class Trainer:
                 self._probe_forward, self.policy, DecoderShape.of(self.policy).layers)
         need = step_memory(self, tokens, self._activation_per_token)
         check_fits(need, self.cfg.memory_limit_gb, self.device, held=held_bytes(self),
-                   checkpointing=self.cfg.activation_checkpointing)
+                   checkpointing=self.cfg.checkpoint_layers)
         return need
 
     def _probe_forward(self, batch):
         """The step's forward on a probe batch, logits one row at a time (their memory is counted apart)."""
         return packed_logprobs(self.policy, batch, with_entropy=self.cfg.loss.entropy_coef > 0,
-                               temperature=self.temperature, checkpoint=self.cfg.activation_checkpointing,
+                               temperature=self.temperature, checkpoint=self.cfg.checkpoint_layers,
                                logits_chunk=1)
 
     def _plan(self, samples: list[Sample], part: list[int]) -> StepPlan:
@@ -342,7 +342,7 @@ class Trainer:
     def _forward(self, batch, *, with_entropy: bool = False):
         """The policy's per-sample log-probs (and entropies) of a packed batch."""
         return packed_logprobs(self.policy, batch, with_entropy=with_entropy, temperature=self.temperature,
-                               checkpoint=self.cfg.activation_checkpointing, logits_chunk=self.cfg.logits_chunk_tokens,
+                               checkpoint=self.cfg.checkpoint_layers, logits_chunk=self.cfg.logits_chunk_tokens,
                                trim_heap=self.cfg.release_heap_per_layer and self.device.type == "cpu")
 
     def _grad_sq_sum(self) -> torch.Tensor:
