@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from arborl_bench import BENCHMARKS
-from arborl_bench.memory_bench import big_child, job_child, whole_job
+from arborl_bench.memory_bench import big_child, job_child, step_child, whole_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,16 @@ def test_the_jobs_phases_on_a_tiny_model():
     assert comp["engine_module"] < before["phases"]["rl_train"]["components_gb"]["engine_module"]
     assert comp["prefix_cache"] == 0 and before["phases"]["rl_train"]["components_gb"]["prefix_cache"] > 0
     assert after["phases"]["rl_train"]["components_gb"]["gradients"] < before["phases"]["rl_train"]["components_gb"]["gradients"]
+
+
+@pytest.mark.parametrize("kind", ["sft", "rl"])
+def test_one_training_step_under_the_jobs_config_and_the_overrides_given(kind):
+    out = step_child(kind, [*TINY, "train.activation_checkpointing=true", "train.sft.lr=1e-3"], transcripts_n=2)
+    assert out["step"] == kind and out["seconds"] > 0
+    assert out["peak_gb"] > 0.15  # a Python process with torch and a model
+    assert out["peak_gb"] - out["peak_above_start_gb"] > 0.15  # above the start: the step's own
+    with pytest.raises(SystemExit, match="sft or rl"):
+        step_child("ppo", TINY)
 
 
 def test_a_lora_grpo_step_of_a_small_shape_runs_whole():

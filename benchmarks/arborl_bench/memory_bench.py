@@ -9,15 +9,17 @@ settings against the lean ones, and LoRA RL of a SmolLM2-1.7B-shaped model on th
    the process's peak resident memory is read from the kernel (VmHWM, reset before the phase through
    /proc/self/clear_refs) and the components are counted from the objects that hold them (trainer
    weights, gradients, AdamW state, engine module, packed weights, KV cache, prefix cache).
-   - ``before``: today's behaviour -- whole logits (train.logits_chunk_tokens=0), every KV slot
+   - ``before``: today's behaviour -- whole logits (train.logits_chunk_tokens=0) of micro-batches of
+     4096 tokens under activation checkpointing (the job's config then), every KV slot
      allocated at start, the last SFT step's gradients kept through RL, every published tensor cloned,
      the old packed weights alive while the new ones are built;
    - ``after``: the defaults now (logits chunk by chunk, KV rows as sequences run, gradients freed,
      frozen base tensors published by reference, packed weights rebuilt in place, the engine's Linear
      weights only in its packs, its prefix cache and spare KV rows freed while the trainer trains, and
      after RL steps the LoRA adapters alone published, served on the engine's base: train.lora_sync);
-   - ``no_ckpt``: ``after`` without activation checkpointing (the job's config has it on): its memory
-     and the time checkpointing costs (``ckpt_time_ratio_*``, with / without).
+   - ``ckpt``: ``after`` with activation checkpointing and micro-batches of 4096 tokens (the job's
+     config before the lean backward, ``models/lean_backward.py``, let it train without): its memory and
+     the time checkpointing costs (``ckpt_time_ratio_*``, with / without).
 2. **LoRA GRPO on a SmolLM2-1.7B-shaped model** (its config, random weights built here; bf16 base,
    float32 adapters, activation checkpointing): one full step -- 4 episodes (prompt + decode) on the
    built-in engine, the GRPO train step on them, the adapters published to the engine (which serves them
@@ -32,8 +34,10 @@ settings against the lean ones, and LoRA RL of a SmolLM2-1.7B-shaped model on th
 Last line: ``peak_rss_gb_sft``, ``peak_rss_gb_rl`` (after), ``peak_rss_ratio`` (after / before of part 1's
 emulation: it cannot undo the fixes that have no knob, so the whole job's ratio is ``job_peak_rss_ratio``),
 ``logits_bytes_per_microbatch`` (the logits that exist at once in a training micro-batch, after; before in
-``logits_bytes_per_microbatch_before``), ``lora_1p7b_step_s``, ``lora_1p7b_peak_rss_gb``, ``job_peak_rss_gb``
-and ``job_peak_rss_ratio`` (None with ``--quick``).
+``logits_bytes_per_microbatch_before``), ``activation_checkpointing`` (the job's config),
+``peak_rss_gb_{sft,rl}_ckpt`` and ``ckpt_time_ratio_{sft,rl_train}`` (the ``ckpt`` variant's peaks, and its
+seconds / after's), ``lora_1p7b_step_s``, ``lora_1p7b_peak_rss_gb``, ``job_peak_rss_gb`` and
+``job_peak_rss_ratio`` (None with ``--quick``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ TURNS = 4
 SMOLLM2_1P7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192,
                     rms_norm_eps=1e-5, rope_theta=130000.0, tie_word_embeddings=True)
+CKPT = {"activation_checkpointing": True, "micro_batch_tokens": 4096}  # the job's config until 2026-12-07
 
 
 # -- the kernel's figures ----------------------------------------------------------------------------
@@ -184,9 +189,11 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
 
     before = variant == "before"
     cfg = load_config(str(_config_path()), list(overrides or []))  # the tests' own: a tiny model
-    tcfg = cfg.train.model_copy(update={"logits_chunk_tokens": 0}) if before else cfg.train
-    if variant == "no_ckpt":
-        tcfg = tcfg.model_copy(update={"activation_checkpointing": False})
+    tcfg = cfg.train
+    if before:  # whole logits; the job's config then: checkpointing on, micro-batches of 4096 tokens
+        tcfg = tcfg.model_copy(update={"logits_chunk_tokens": 0, **CKPT})
+    if variant == "ckpt":
+        tcfg = tcfg.model_copy(update=CKPT)
     rng = random.Random(0)
     torch.manual_seed(0)
     loaded = load_model(cfg.model)
@@ -253,6 +260,7 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
     shape = trainer.policy.get_input_embeddings().weight.shape
     rows = max_len * 2 if tcfg.logits_chunk_tokens <= 0 else tcfg.logits_chunk_tokens  # a 4096-token micro-batch
     return {"variant": variant, "phases": phases, "process_peak_gb": round(peak_rss_lifetime() / GB, 3),
+            "activation_checkpointing": tcfg.activation_checkpointing, "micro_batch_tokens": tcfg.micro_batch_tokens,
             "setup_peak_gb": setup_peak,
             "logits_bytes_per_microbatch": min(rows, tcfg.micro_batch_tokens) * shape[0] * 4,
             "rl_packed_tokens": metrics.get("train/packed_tokens"), "sft_transcripts": n_sft, "rl_samples": n_rl,
@@ -388,7 +396,7 @@ def run(quick: bool, console) -> dict:
 
     q = ["--quick"] if quick else []
     jobs = {}
-    for variant in ("before", "after", "no_ckpt"):
+    for variant in ("before", "after", "ckpt"):
         console.print(f"the job's phases, {variant} ...")
         jobs[variant] = _child(["job", variant, *q])
     table = Table(title="code-repair job, peak resident memory by phase (GB)")
@@ -401,9 +409,9 @@ def run(quick: bool, console) -> dict:
         table.add_row(name, *(f"{jobs[v]['phases'][name]['peak_gb']:.2f}" for v in jobs), f"{a / b:.2f}")
     console.print(table)
     for name in ("sft", "rl_train"):
-        a, n = jobs["after"]["phases"][name], jobs["no_ckpt"]["phases"][name]
-        console.print(f"{name} without activation checkpointing: peak {n['peak_gb']:.2f} GB (with: {a['peak_gb']:.2f}), "
-                      f"time {n['seconds']:.1f} s (with: {a['seconds']:.1f} s)")
+        a, c = jobs["after"]["phases"][name], jobs["ckpt"]["phases"][name]
+        console.print(f"{name} with activation checkpointing (4096-token micro-batches): peak {c['peak_gb']:.2f} GB "
+                      f"(without: {a['peak_gb']:.2f}), time {c['seconds']:.1f} s (without: {a['seconds']:.1f} s)")
     comp = Table(title="what holds it after each phase, after (GB)")
     comp.add_column("phase")
     keys = list(next(iter(jobs["after"]["phases"].values()))["components_gb"])
@@ -438,12 +446,13 @@ def run(quick: bool, console) -> dict:
         "phases": {v: {n: ph["peak_gb"] for n, ph in jobs[v]["phases"].items()} for v in jobs},
         "components_after": {n: ph["components_gb"] for n, ph in jobs["after"]["phases"].items()},
         "estimate_gb_after": jobs["after"]["estimate_gb"],
-        "peak_rss_gb_sft_no_ckpt": peak("no_ckpt", ("sft",)),
-        "peak_rss_gb_rl_no_ckpt": peak("no_ckpt", rl),
-        "ckpt_time_ratio_sft": round(jobs["after"]["phases"]["sft"]["seconds"]
-                                     / jobs["no_ckpt"]["phases"]["sft"]["seconds"], 3),
-        "ckpt_time_ratio_rl_train": round(jobs["after"]["phases"]["rl_train"]["seconds"]
-                                          / jobs["no_ckpt"]["phases"]["rl_train"]["seconds"], 3),
+        "activation_checkpointing": jobs["after"]["activation_checkpointing"],
+        "peak_rss_gb_sft_ckpt": peak("ckpt", ("sft",)),
+        "peak_rss_gb_rl_ckpt": peak("ckpt", rl),
+        "ckpt_time_ratio_sft": round(jobs["ckpt"]["phases"]["sft"]["seconds"]
+                                     / jobs["after"]["phases"]["sft"]["seconds"], 3),
+        "ckpt_time_ratio_rl_train": round(jobs["ckpt"]["phases"]["rl_train"]["seconds"]
+                                          / jobs["after"]["phases"]["rl_train"]["seconds"], 3),
         "lora_1p7b_step_s": big["step_s"],
         "lora_1p7b_peak_rss_gb": big["peak_rss_gb"],
         "lora_1p7b": big,
@@ -454,28 +463,50 @@ def run(quick: bool, console) -> dict:
     }
 
 
-def sft_step_child(threshold_mb: int, transcripts_n: int = 4) -> dict[str, Any]:
-    """One full fine-tuning step of the job's model on ``transcripts_n`` random transcripts of the job's
-    length in one batch, with glibc's mmap threshold at ``threshold_mb`` (0: glibc's dynamic one): the peak
-    resident memory above the start and the seconds (``train.malloc_mmap_threshold_mb``'s figures in
-    docs/training-an-agent.md; run each in a fresh process: ``python -m arborl_bench.memory_bench sft-step MB``)."""
+def step_child(kind: str, overrides: list[str] | None = None, transcripts_n: int = 4) -> dict[str, Any]:
+    """One training step of the job's model at the job's lengths, under the job's config with ``overrides``
+    (``KEY=VALUE`` as ``--set`` takes them): ``sft``, a full fine-tuning step on ``transcripts_n`` random
+    transcripts in one batch; ``rl``, a LoRA GRPO step on 8 episodes in two groups of 4 that share 30% of their
+    tokens. The peak resident memory (VmHWM: absolute, and above the start) and the seconds. Run each in a
+    fresh process: ``python -m arborl_bench.memory_bench step sft|rl [KEY=VALUE ...]`` (the figures of
+    ``train.malloc_mmap_threshold_mb``, ``train.logits_chunk_tokens`` and activation checkpointing in
+    docs/training-an-agent.md)."""
     from arborl.config import load_config
     from arborl.heap import set_mmap_threshold
     from arborl.models import load_model
     from arborl.run.assemble import make_trainer
     from arborl.train.sft import sft_epochs, sft_mode
 
-    set_mmap_threshold(threshold_mb << 20)
-    cfg = load_config(str(_config_path()), [])
+    if kind not in ("sft", "rl"):
+        raise SystemExit(f"unknown step {kind!r}: sft or rl")
+    cfg = load_config(str(_config_path()), list(overrides or []))
+    set_mmap_threshold(cfg.train.malloc_mmap_threshold_mb << 20)
+    torch.manual_seed(0)
     loaded = load_model(cfg.model)
-    trainer = make_trainer(loaded.model, cfg.train.model_copy(update={"lora_rank": 0}), temperature=cfg.rollout.temperature)
-    samples = transcripts(random.Random(0), transcripts_n, cfg.engine.max_seq_len, loaded.vocab_size)
+    rng = random.Random(0)
+    length, vocab = cfg.engine.max_seq_len, loaded.vocab_size
+    if kind == "sft":
+        trainer = make_trainer(loaded.model, cfg.train.model_copy(update={"lora_rank": 0}),
+                               temperature=cfg.rollout.temperature)
+        samples = transcripts(rng, transcripts_n, length, vocab)
+    else:
+        trainer = make_trainer(loaded.model, cfg.train, temperature=cfg.rollout.temperature)
+        samples = transcripts(rng, 2 * GROUP_SIZE, length, vocab, group=GROUP_SIZE, shared=int(length * SHARED_FRACTION))
     reset_peak()
     start, t0 = rss(), time.perf_counter()
-    with sft_mode(trainer, cfg.train) as t:
-        sft_epochs(t, samples, epochs=1, batch=transcripts_n)
-    return {"threshold_mb": threshold_mb, "seconds": round(time.perf_counter() - t0, 1),
-            "peak_above_start_gb": round((peak_rss() - start) / GB, 3)}
+    if kind == "sft":
+        with sft_mode(trainer, cfg.train) as t:
+            sft_epochs(t, samples, epochs=1, batch=transcripts_n)
+    else:
+        trainer.train_step(samples)
+    return {"step": kind, "overrides": list(overrides or []), "seconds": round(time.perf_counter() - t0, 1),
+            "peak_gb": round(peak_rss() / GB, 3), "peak_above_start_gb": round((peak_rss() - start) / GB, 3)}
+
+
+def sft_step_child(threshold_mb: int, transcripts_n: int = 4) -> dict[str, Any]:
+    """``step_child("sft")`` with glibc's mmap threshold at ``threshold_mb`` (0: glibc's dynamic one)."""
+    out = step_child("sft", [f"train.malloc_mmap_threshold_mb={threshold_mb}"], transcripts_n)
+    return {"threshold_mb": threshold_mb, "seconds": out["seconds"], "peak_above_start_gb": out["peak_above_start_gb"]}
 
 
 def main(argv: list[str]) -> None:
@@ -487,8 +518,10 @@ def main(argv: list[str]) -> None:
         out = big_child(quick)
     elif argv[0] == "sft-step":
         out = sft_step_child(int(argv[1]))
+    elif argv[0] == "step":
+        out = step_child(argv[1], [a for a in argv[2:] if a != "--quick"])
     else:
-        raise SystemExit(f"unknown part {argv[0]!r}: job before|after, big, or sft-step MB")
+        raise SystemExit(f"unknown part {argv[0]!r}: job before|after|ckpt, big, sft-step MB, or step sft|rl [KEY=VALUE ...]")
     print(json.dumps(out))
 
 
