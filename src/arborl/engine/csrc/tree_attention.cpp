@@ -47,7 +47,9 @@ inline float dot(const float* a, const T* b, int64_t n) {
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
   float s = acc[0];
-  for (; d < n; ++d) s += a[d] * widen(b[d]);
+  // an explicit fma: left to the compiler (GCC contracts a*b+c at will), the float and the bfloat16
+  // instantiations of this tail rounded differently on some machines (head dim 40, Intel Xeon)
+  for (; d < n; ++d) s = std::fma(a[d], widen(b[d]), s);
   return s;
 }
 
