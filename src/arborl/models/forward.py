@@ -5,9 +5,9 @@ embeddings, norms, q/k/v/o projections, MLPs, rotary embedding, LM head) and lea
 to the caller, through ``make_attend(layer) -> attend(q, k, v)``: the engine attends over its KV
 slots, tree packing attends under an ancestor mask. Sharing this code keeps the trainer's and the
 engine's numbers the same. Under autograd the Llama family's RMSNorms and gated MLP run as
-``models/lean_backward.py``'s functions: the modules' values, less kept for the backward. The engine's CPU default for a Llama-layout model is a second, leaner
-forward over packed weights (``engine/packed_forward.py``); ``tests/test_engine_perf.py`` ties its
-logits to this one.
+``models/lean_backward.py``'s functions: the modules' values, less kept for the backward. The engine's
+CPU default for a Llama-layout model is a second, leaner forward over packed weights
+(``engine/packed_forward.py``); ``tests/test_engine_perf.py`` ties its logits to this one.
 """
 
 from __future__ import annotations

@@ -62,17 +62,17 @@ class _GatedSiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
+        sig, act = torch.sigmoid(gate), F.silu(gate)  # act: the forward's own op, so the product is bitwise the forward's
         grad_w = None
         if weight is None:
             d_product = grad
         else:
             if ctx.needs_input_grad[2]:
-                product = F.silu(gate) * up
+                product = act * up
                 grad_w = grad.reshape(-1, grad.shape[-1]).t().mm(product.reshape(-1, product.shape[-1]))
                 del product
             d_product = grad.matmul(weight)
-        grad_up = d_product * F.silu(gate) if ctx.needs_input_grad[1] else None
+        grad_up = d_product * act if ctx.needs_input_grad[1] else None
         grad_gate = d_product * up * (sig * (1 + gate * (1 - sig))) if ctx.needs_input_grad[0] else None
         return grad_gate, grad_up, grad_w
 
