@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from arborl_bench import BENCHMARKS
-from arborl_bench.memory_bench import big_child, job_child, step_child, whole_job
+from arborl_bench.memory_bench import CKPT, big_child, job_child, step_child, whole_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,15 @@ def test_the_jobs_phases_on_a_tiny_model():
     assert comp["engine_module"] < before["phases"]["rl_train"]["components_gb"]["engine_module"]
     assert comp["prefix_cache"] == 0 and before["phases"]["rl_train"]["components_gb"]["prefix_cache"] > 0
     assert after["phases"]["rl_train"]["components_gb"]["gradients"] < before["phases"]["rl_train"]["components_gb"]["gradients"]
+
+
+def test_the_ckpt_variant_is_the_old_config_whatever_the_job_sets_now():
+    from arborl.config import load_config
+
+    now = load_config(str(REPO / "configs" / "code_repair.yaml"), []).train
+    old = now.model_copy(update=CKPT)
+    assert old.checkpoint_layers is True and old.micro_batch_tokens == 4096 and old.logits_chunk_tokens == 1024
+    assert now.checkpoint_layers != old.checkpoint_layers  # the job's own differs: the variant measures a change
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl"])

@@ -17,8 +17,8 @@ settings against the lean ones, and LoRA RL of a SmolLM2-1.7B-shaped model on th
      frozen base tensors published by reference, packed weights rebuilt in place, the engine's Linear
      weights only in its packs, its prefix cache and spare KV rows freed while the trainer trains, and
      after RL steps the LoRA adapters alone published, served on the engine's base: train.lora_sync);
-   - ``ckpt``: ``after`` with activation checkpointing and micro-batches of 4096 tokens (the job's
-     config before the lean backward, ``models/lean_backward.py``, let it train without): its memory and
+   - ``ckpt``: ``after`` with every layer checkpointed, micro-batches of 4096 tokens and logits chunks of
+     1024 (``CKPT``: the job's config before the lean backward, ``models/lean_backward.py``): its memory and
      the time checkpointing costs (``ckpt_time_ratio_*``, with / without).
 2. **LoRA GRPO on a SmolLM2-1.7B-shaped model** (its config, random weights built here; bf16 base,
    float32 adapters, activation checkpointing): one full step -- 4 episodes (prompt + decode) on the
@@ -61,7 +61,9 @@ TURNS = 4
 SMOLLM2_1P7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192,
                     rms_norm_eps=1e-5, rope_theta=130000.0, tie_word_embeddings=True)
-CKPT = {"activation_checkpointing": True, "micro_batch_tokens": 4096}  # the job's config until 2026-12-07
+# the job's config until 2026-12-07: every layer checkpointed, micro-batches of 4096, logits chunks of 1024
+CKPT = {"activation_checkpointing": True, "activation_checkpointing_layers": None, "micro_batch_tokens": 4096,
+        "logits_chunk_tokens": 1024}
 
 
 # -- the kernel's figures ----------------------------------------------------------------------------
@@ -191,7 +193,7 @@ def job_child(variant: str, quick: bool, overrides: list[str] | None = None) -> 
     cfg = load_config(str(_config_path()), list(overrides or []))  # the tests' own: a tiny model
     tcfg = cfg.train
     if before:  # whole logits; the job's config then: checkpointing on, micro-batches of 4096 tokens
-        tcfg = tcfg.model_copy(update={"logits_chunk_tokens": 0, **CKPT})
+        tcfg = tcfg.model_copy(update={**CKPT, "logits_chunk_tokens": 0})
     if variant == "ckpt":
         tcfg = tcfg.model_copy(update=CKPT)
     rng = random.Random(0)
