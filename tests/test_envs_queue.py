@@ -153,3 +153,19 @@ def test_commands_queue_when_the_process_runs_short_of_file_descriptors(tmp_path
     queued = [q for q in out["queued"] if q > 0]
     assert queued and out["stats"]["waits"] == len(queued) and out["stats"]["gave_up"] == 0
     assert out["leftovers"] == NOTHING_LEFT
+
+
+@root_only
+def test_leftovers_count_the_shm_files_a_sandbox_made_not_another_process(tmp_path):
+    rt = make_runtime(EnvsConfig(root_dir=str(tmp_path / "root"), sandbox_uid_base=70330, sandbox_uids=2))
+    before = shm_files()
+    mine, other = Path("/dev/shm") / f"arborl-test-sandbox-{os.getpid()}", Path("/dev/shm") / f"arborl-test-other-{os.getpid()}"
+    try:
+        other.write_text("")  # a file another process of the host made meanwhile (root's)
+        assert leftovers(rt, before)["shm_files"] == 0
+        mine.write_text("")
+        os.chown(mine, 70331, 70331)  # one a sandbox uid left behind
+        assert leftovers(rt, before)["shm_files"] == 1
+    finally:
+        mine.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 ``leftovers(rt, shm_before)`` counts processes still running as one of its sandbox uids or inside its
 root directory (a bwrap, a reaper, a command), mounts below its root, sandbox uids whose lock someone
 still holds, workspace directories still in its root, and files in ``/dev/shm`` that were not there
-before (``shm_files()`` taken at the start). The benchmark's concurrency sweep and the queue's tests
-check it.
+before (``shm_files()`` taken at the start) and that a sandbox made: owned by one of its uids, or any
+new file when the runtime does not drop to a uid of its own. Other processes of the host (another
+test worker, an inference server) make files in ``/dev/shm`` meanwhile; those are not the runtime's.
+The benchmark's concurrency sweep and the queue's tests check it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,15 @@ def leftovers(rt, shm_before: set[str]) -> dict[str, int]:  # noqa: ANN001 - a H
         "mounts": sum(1 for m in _mount_points() if m.startswith(root + "/")),
         "uids": sum(_lock_held(rt.uids.lock_dir / f"{uid}.lock") for uid in uids),
         "workspaces": sum(1 for name in os.listdir(root) if not name.startswith(".")),
-        "shm_files": len(shm_files() - shm_before),
+        "shm_files": sum(1 for name in shm_files() - shm_before if not uids or _owner(SHM / name) in uids),
     }
+
+
+def _owner(path: Path) -> int | None:
+    try:
+        return path.stat().st_uid
+    except FileNotFoundError:  # removed since it was listed
+        return None
 
 
 def _processes(root: str, uids: range) -> list[int]:
