@@ -1,10 +1,12 @@
-"""``arborl bench progress``: its configurations are valid configs of the job, its time split sums to the
-steps' wall time, time to target reads the first evaluation at or above it. (The bench itself runs the real
+"""``arborl bench progress``: its configurations are valid configs of the job that turn their lever on, its time
+split sums to the steps' wall time, time to target reads the first evaluation at or above it, the mismatch,
+packing and staleness figures are the steps' metrics (None where a run did not log them). (The bench itself runs the real
 job for tens of minutes: `arborl bench progress --quick`, not here.)"""
 
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from arborl.config import load_config
 from arborl_bench import BENCHMARKS
@@ -23,10 +25,25 @@ def test_every_configuration_is_a_valid_config_of_the_job_and_turns_its_lever_on
     for name, over, _ in full:
         cfg = load_config(JOB, over)
         assert (cfg.model_dump() == base.model_dump()) == (not over), name
+    for name, over in LEVERS.items():  # every setting of a lever lands in the config, and one at least is new
+        cfg = load_config(JOB, over)
+        pairs = [o.split("=", 1) for o in over]
+        assert all(setting(cfg, k) == yaml.safe_load(v) for k, v in pairs), name
+        assert any(setting(base, k) != yaml.safe_load(v) for k, v in pairs), name
+    assert (base.engine.weights_dtype, base.train.correction.mode) == ("float32", "none")
+    for name, dtype in (("bf16_rollout_tis", "bfloat16"), ("int8_rollout", "int8")):
+        cfg = load_config(JOB, LEVERS[name])  # int8 is the CPU's (the job's model.device)
+        assert (cfg.engine.weights_dtype, cfg.train.correction.mode, cfg.model.device) == (dtype, "tis", "cpu"), name
     stack = load_config(JOB, STACK)
     assert stack.engine.spec.enabled and stack.engine.spec.prompt_lookup
     assert stack.scheduling.consume == "async_ratio"
     assert stack.train.advantage.shaping.component_weights == {"tests_passed_frac": 0.5}
+
+
+def setting(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def rows() -> list[dict]:
@@ -50,6 +67,24 @@ def test_the_time_split_sums_to_the_steps_wall_time_and_the_curve_is_on_training
     assert r["peak_rss_gb"] == 3.0
     assert time_to(r, 0.5) == 23.0 and time_to(r, 0.6) == 50.0 and time_to(r, 0.61) is None
     assert time_to(r, 0.3) == 23.0  # the evaluation before RL never counts as reaching it
+
+
+def test_mismatch_packing_and_staleness_are_the_steps_metrics_and_none_where_not_logged():
+    logged = rows()
+    steps = [r for r in logged if r["kind"] == "step"]
+    figures = [(0.25, 300.0, 400.0, 0), None, (0.5, 100.0, 400.0, 2), (0.0, 200.0, 200.0, 1)]
+    for r, f in zip(steps, figures):
+        if f is None:  # a step with no loss tokens: the trainer skips it, no mismatch or packing metrics
+            r.update({"train/skipped": 1.0, "sched/max_version_gap": 1})
+        else:
+            r.update({"mismatch/k3_kl": f[0], "train/packed_tokens": f[1], "train/flat_tokens": f[2],
+                      "sched/max_version_gap": f[3]})
+    r = summarise("int8_rollout", 0, logged, peak=0, wall=1.0)
+    assert r["mismatch_k3_kl"] == 0.25  # (0.25 + 0.5 + 0) / 3: the skipped step has none, a step's 0 counts
+    assert r["packed_over_flat"] == 0.6  # 600 / 1000 over the steps, not the mean of the steps' ratios
+    assert (r["version_gap_mean"], r["version_gap_max"]) == (1.0, 2)
+    old = summarise("baseline", 0, rows(), peak=0, wall=1.0)  # a run from before these metrics
+    assert [old[k] for k in ("mismatch_k3_kl", "packed_over_flat", "version_gap_mean", "version_gap_max")] == [None] * 4
 
 
 def test_mean_and_standard_error():
@@ -89,6 +124,8 @@ def test_a_run_with_the_stack_on_trains_and_records_every_episode(tmp_path):
     # itself is tested in test_specdec_*)
     assert sum(r.get("spec/spec_verify_steps", 0) + r.get("spec/spec_plain_steps", 0) for r in steps) > 0
     assert max(r["sched/max_version_gap"] for r in steps) >= 1  # asynchronous: a batch from an older policy
+    seen = summarise("stack", 0, rows, peak=0, wall=1.0)  # the bench's figures read the keys the run logs
+    assert seen["mismatch_k3_kl"] >= 0 and 0 < seen["packed_over_flat"] <= 1 and seen["version_gap_max"] >= 1
     with DataPool(cfg.run_dir / "datapool.sqlite") as pool:
         eps = pool.episodes(with_calls=False)
     assert eps and not [e for e in eps if e.status == "running"]

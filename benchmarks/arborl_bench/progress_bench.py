@@ -10,13 +10,22 @@ Per run it reads metrics.jsonl and summary.json: held-out greedy success on both
 ``rollout.eval_every`` steps, after) against the training wall-clock (the sum of the steps' times: evaluation
 excluded) and against rollout tokens, rollout tokens/s, each step's time split (rollout -- the episodes,
 sandbox and reward included --, train, weight publish, and the rest), the speculative acceptance length,
-and the peak resident memory of the run's process tree (psutil, sampled every second). Then the suffix
-drafter's variants are replayed on the baseline's own recorded generations (``replay_acceptance``): their
-expected acceptance length under the SFT policy, paired on the same texts.
+the train/rollout mismatch (``mismatch_k3_kl``: the steps' mean ``mismatch/k3_kl``, the k3 estimate of
+KL(rollout || train) over the loss tokens, what a low-precision rollout costs), the tree packing's saving
+(``packed_over_flat``: the tokens the training forwards computed packed over those they would have flat, all
+steps together), the staleness the trainer saw (``version_gap_mean`` / ``version_gap_max``: each step's
+largest policy-version gap of its episodes, ``sched/max_version_gap``, averaged / at most; 0 when
+synchronous), and the peak resident memory of the run's process tree (psutil, sampled every second); a
+figure whose metric the run did not log is None. Then the suffix drafter's variants are replayed on the
+baseline's own recorded generations (``replay_acceptance``): their expected acceptance length under the SFT
+policy, paired on the same texts.
 
 Configurations (each a set of ``--set`` overrides on the job's config): ``baseline`` (the job as configured),
-one per lever, and ``stack`` (the levers together). The target is the baseline's mean final held-out success;
-``time_to_target_ratio`` is the stack's mean time to its first evaluation at or above it over the baseline's.
+one per lever (``LEVERS``: speculative decoding, asynchronous and dynamic consumption, partial credit, the
+rollout's weights in bf16 -- ``bf16_rollout`` without a correction, ``bf16_rollout_tis`` with the trainer's TIS
+-- or in int8 with TIS, ``int8_rollout``), and ``stack`` (spec, async and partial credit together). The target
+is the baseline's mean final held-out success; ``time_to_target_ratio`` is the stack's mean time to its first
+evaluation at or above it over the baseline's.
 
 ``--quick``: the baseline and the stack, one seed each, 4 RL steps, evaluated before and after: it points the
 way (is the stack faster per step, does it still learn) in about 20 minutes, and its time-to-target compares
@@ -54,6 +63,8 @@ LEVERS: dict[str, list[str]] = {
     "dynamic": ["scheduling.consume=dynamic"],
     "partial_credit": PARTIAL,
     "bf16_rollout": ["engine.weights_dtype=bfloat16"],
+    "bf16_rollout_tis": ["engine.weights_dtype=bfloat16", "train.correction.mode=tis"],
+    "int8_rollout": ["engine.weights_dtype=int8", "train.correction.mode=tis"],
 }
 STACK = SPEC + ASYNC + PARTIAL
 
@@ -176,11 +187,19 @@ def summarise(name: str, seed: int, rows: list[dict], peak: int, wall: float) ->
     spec = [r["spec/spec_mean_acceptance_length"] for r in steps if r.get("spec/spec_mean_acceptance_length")]
     first = {s: (c[0][3] if c else None) for s, c in curve.items()}
     final = {s: (c[-1][3] if c else None) for s, c in curve.items()}
+    k3 = [r["mismatch/k3_kl"] for r in steps if r.get("mismatch/k3_kl") is not None]
+    packed = [(r["train/packed_tokens"], r["train/flat_tokens"]) for r in steps
+              if r.get("train/packed_tokens") is not None and r.get("train/flat_tokens")]
+    gap = [r["sched/max_version_gap"] for r in steps if r.get("sched/max_version_gap") is not None]
     return {"config": name, "seed": seed, "curve": curve, "train_wall_s": round(elapsed, 1), "run_wall_s": round(wall, 1),
             "rollout_tokens": tokens, "rollout_tokens_per_s": round(tokens / gen_s, 1) if gen_s else None,
             "time_split_s": {k: round(v, 1) for k, v in split.items()},
             "step_s_mean": round(split["step_s"] / max(1, len(steps)), 1),
             "spec_acceptance_length": round(sum(spec) / len(spec), 3) if spec else None,
+            "mismatch_k3_kl": sum(k3) / len(k3) if k3 else None,
+            "packed_over_flat": round(sum(p for p, _ in packed) / sum(f for _, f in packed), 4) if packed else None,
+            "version_gap_mean": round(sum(gap) / len(gap), 3) if gap else None,
+            "version_gap_max": max(gap) if gap else None,
             "success_before": first, "success_final": final, "peak_rss_gb": round(peak / 1e9, 2)}
 
 
@@ -335,12 +354,14 @@ def run(quick: bool, console) -> dict:
     target = mean_se([r["success_final"]["eval"] for r in base])[0]
     table = Table(title=f"code-repair RL from one SFT checkpoint, {steps} steps (target: baseline's final {target:.3f})")
     for col in ("config", "seeds", "final eval", "final perturbed", "step s", "rollout tok/s", "accept len",
-                "time split (rollout/train/publish/other s)", "time to target s", "peak GB"):
+                "time split (rollout/train/publish/other s)", "time to target s", "mismatch k3 KL", "packed/flat",
+                "version gap (step mean)", "peak GB"):
         table.add_column(col)
     for name, rs in by.items():
         sp = {k: sum(r["time_split_s"][k] for r in rs) / len(rs) for k in ("rollout_s", "train_s", "publish_s", "other_s")}
         ttt = [time_to(r, target) for r in rs]
         acc = [r["spec_acceptance_length"] for r in rs if r["spec_acceptance_length"]]
+        seen = lambda key, fmt: ", ".join("-" if r[key] is None else fmt % r[key] for r in rs)  # noqa: E731
         table.add_row(name, str(len(rs)), "%.3f" % mean_se([r["success_final"]["eval"] for r in rs])[0],
                       "%.3f" % mean_se([r["success_final"]["eval_perturbed"] for r in rs])[0],
                       "%.1f" % (sum(r["step_s_mean"] for r in rs) / len(rs)),
@@ -348,6 +369,8 @@ def run(quick: bool, console) -> dict:
                       "%.2f" % (sum(acc) / len(acc)) if acc else "-",
                       "/".join("%.0f" % sp[k] for k in ("rollout_s", "train_s", "publish_s", "other_s")),
                       ", ".join("-" if t is None else "%.0f" % t for t in ttt),
+                      seen("mismatch_k3_kl", "%.2e"), seen("packed_over_flat", "%.3f"),
+                      seen("version_gap_mean", "%.2f"),
                       "%.2f" % max(r["peak_rss_gb"] for r in rs))
     console.print(table)
     trace = RUNS / f"baseline-s{base[0]['seed']}"
@@ -381,6 +404,8 @@ def run(quick: bool, console) -> dict:
         "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
         "step_time_ratio_by_config": {name: round(step(rs) / step(base), 3) for name, rs in by.items()},
         "configs": {name: [{k: r[k] for k in ("seed", "success_final", "step_s_mean", "rollout_tokens_per_s",
-                                              "spec_acceptance_length", "time_split_s", "peak_rss_gb")} for r in rs]
+                                              "spec_acceptance_length", "time_split_s", "mismatch_k3_kl",
+                                              "packed_over_flat", "version_gap_mean", "version_gap_max",
+                                              "peak_rss_gb")} for r in rs]
                     for name, rs in by.items()},
     }
