@@ -71,7 +71,12 @@ def test_reward_rises_on_a_learnable_task(tmp_path):
         published = [0] + [s["policy_version"] for s in steps if s["kind"] == "step"][:-1]
         # every token of step k was produced by the policy published before step k
         assert all(by_step[k] == {published[k]} for k in range(12)), (by_step, published)
-        assert published[-1] >= 9
+        # the version moves on exactly at the steps that trained samples (a step whose groups all had equal
+        # rewards trains nothing; how many did depends on the draws), and the check above saw several
+        trained_so_far = [sum(s["samples"] > 0 for s in steps if s["kind"] == "step" and s["step"] <= k)
+                          for k in range(1, 13)]
+        assert [s["policy_version"] for s in steps if s["kind"] == "step"] == trained_so_far
+        assert len(set(published)) > 2, published
         assert all(e.reward is not None for e in trained)
     assert_steps_trained_their_draws(cfg, range(12))
 
