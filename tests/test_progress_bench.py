@@ -11,7 +11,7 @@ import yaml
 from arborl.config import load_config
 from arborl_bench import BENCHMARKS
 from arborl_bench.progress_bench import ASYNC as ASYNC_SETS
-from arborl_bench.progress_bench import JOB, LEVERS, STACK, configurations, mean_se, summarise, time_to
+from arborl_bench.progress_bench import JOB, LEVERS, PARTIAL, STACK, configurations, mean_se, summarise, time_to
 
 
 def test_every_configuration_is_a_valid_config_of_the_job_and_turns_its_lever_on():
@@ -159,3 +159,40 @@ def test_the_simulator_calibrated_on_a_runs_trace_predicts_its_step_time(tmp_pat
     assert variant_of("baseline", [], None) == ("sync/pinned", {}, {})
     assert variant_of("async", ASYNC_SETS, None) == ("async_ratio/pinned", {"async_ratio": "1"}, {})
     assert variant_of("spec", ["engine.spec.enabled=true"], 0.5)[2] == {"spec_acceptance": 0.5}
+
+
+def test_the_simulator_learns_which_groups_train_from_the_trace_and_partial_credit_adds_to_them(tmp_path):
+    """progress_sim: the share of groups with a learning signal comes from the trace's rewards, and a
+    configuration's reward components (partial credit) are added to each episode's recorded ones before it
+    is counted; the trainer's time is per generated token of the groups that trained. A hand-made trace of
+    known numbers; the prediction with partial credit trains more groups, so its step is longer."""
+    import json
+
+    from arborl.datapool import DataPool
+    from arborl.types import Call, Episode, EpisodeStatus
+    from arborl_bench.progress_sim import component_weights_of, predict, sim_knobs
+
+    groups = {"g0": ([1.0, 0.0], [1.0, 0.5]), "g1": ([0.0, 0.0], [0.5, 0.0]),  # mixed; mixed with partial credit
+              "g2": ([0.0, 0.0], [0.25, 0.25]), "g3": ([1.0, 1.0], [1.0, 1.0])}  # equal either way
+    with DataPool(tmp_path / "datapool.sqlite") as pool:
+        for gid, (rewards, passed) in groups.items():
+            for m, (r, p) in enumerate(zip(rewards, passed)):
+                ep = Episode(task_id=gid, group_id=gid, status=EpisodeStatus.FINISHED, reward=r,
+                             reward_components={"outcome": r, "tests_passed_frac": p}, finished_at=1.0)
+                n = 10 + m  # g0 trains 10 + 11 tokens
+                ep.calls = [Call(ep.episode_id, [1] * 20, [2] * n, [0.0] * n, [0.0] * n, [0] * n, "stop")]
+                pool.put_episode(ep)
+    step = {"kind": "step", "train_s": 1.05, "generated_tokens": 42, "publish_s": 0.1}
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**step, "step": s}) for s in (1, 2)) + "\n")
+    engine = {"decode_base_s": 0.002, "decode_per_seq_s": 1e-4, "decode_per_ctx_token_s": 1e-7,
+              "prefill_base_s": 0.001, "prefill_per_token_s": 1e-5, "prefill_per_token2_s": 0.0}
+
+    partial = component_weights_of(["engine.spec.enabled=true", PARTIAL[0]])
+    assert partial == {"tests_passed_frac": 0.5} and component_weights_of(["engine.spec.enabled=true"]) == {}
+    base = sim_knobs(tmp_path, engine, max_batch=16)
+    credit = sim_knobs(tmp_path, engine, max_batch=16, component_weights=partial)
+    assert base["mixed_fraction"] == 0.25 and credit["mixed_fraction"] == 0.5
+    assert base["train_per_ktoken_s"] == pytest.approx(2.1 / 0.021)  # 2 steps' train_s over g0's 21 tokens
+    assert credit["train_per_ktoken_s"] == base["train_per_ktoken_s"]  # the trainer's speed is the trace's
+    knobs = {"steps": 8}
+    assert predict({**credit, **knobs}, "sync/pinned") > predict({**base, **knobs}, "sync/pinned")

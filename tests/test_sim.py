@@ -13,7 +13,7 @@ from arborl.cli import app
 from arborl.config import load_config
 from arborl.scheduling.policies import ReplayMismatch, replay, window_items
 from arborl.scheduling.dispatch import make_dispatch
-from arborl.sim import build_policies, parse_variant, run_variant, simulate
+from arborl.sim import build_policies, parse_variant, run_variant, simulate, workload
 from arborl.sim.cost import CostModel, fit_decode, fit_prefill
 from arborl.sim.instance import Admit, SimInstance
 
@@ -233,3 +233,36 @@ def test_oracle_reference_runs_longest_true_length_first():
     assert lengths == sorted(lengths, reverse=True)
     every = sorted((p.turns[0].tokens for g in range(cfg.sim.prompts) for p in wl.group(g)), reverse=True)
     assert lengths == every[: len(lengths)]
+
+
+def test_groups_without_a_learning_signal_train_nothing_and_dynamic_sampling_draws_again():
+    """``sim.mixed_fraction``: a group's rewards differ with that probability, on a stream of its own (the
+    lengths stay); the trainer skips all-equal groups (train.advantage.drop_zero_variance), and dynamic consumption
+    drops them and draws more groups, so its steps take longer and train only mixed groups."""
+    half = SMALL + ["sim.mixed_fraction=0.5", "sim.train_base_s=0", "sim.steps=6"]
+    cfg = load_config(None, half)
+    work = workload(cfg.sim)
+    mixed = [work.mixed(i) for i in range(400)]
+    assert 0.4 < sum(mixed) / 400 < 0.6
+    assert [work.rewards(i) for i in range(3)] == [[1.0 if m == 0 and mixed[i] else 0.0 for m in range(4)]
+                                                   for i in range(3)]
+    everyone = workload(load_config(None, SMALL).sim)
+    assert all(everyone.mixed(i) for i in range(400))
+    assert [work.group(i) for i in range(20)] == [everyone.group(i) for i in range(20)]
+
+    sync, _ = run_variant(cfg, "sync/pinned")
+    f = sync.figures
+    assert f["groups_started"] == 36 and f["generated_tokens"] > f["trained_tokens"] > 0
+    trained = sum(b["trained_items"] for b in sync.batches)
+    assert trained == sum(mixed[:36]) and all(b["items"] == 6 for b in sync.batches)
+    kept, _ = run_variant(load_config(None, half + ["train.advantage.drop_zero_variance=false"]), "sync/pinned")
+    assert kept.figures["trained_tokens"] == f["generated_tokens"]  # the same groups, all trained
+    assert kept.figures["step_s"] > f["step_s"]  # training every group takes longer
+
+    dyn, _ = run_variant(cfg, "dynamic/pinned")
+    d = dyn.figures
+    assert d["groups_started"] > f["groups_started"] and d["consume_dropped"] > 0
+    assert all(b["trained_items"] == b["items"] for b in dyn.batches)  # every kept group has a signal
+    assert d["trained_tokens"] > f["trained_tokens"]
+    full, _ = run_variant(load_config(None, SMALL + ["sim.train_base_s=0", "sim.steps=6"]), "dynamic/pinned")
+    assert full.figures["groups_started"] == 36 and full.figures["consume_dropped"] == 0

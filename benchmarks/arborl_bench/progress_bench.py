@@ -288,7 +288,7 @@ def simulated_step_times(sft: Path, results: list[dict[str, Any]], configs: list
     from arborl.models.quantize import to_serving_dtype
     from arborl.sim.calibrate import calibrate
 
-    from arborl_bench.progress_sim import predict, sim_knobs, variant_of
+    from arborl_bench.progress_sim import component_weights_of, predict, sim_knobs, variant_of
 
     model = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval()
     fits: dict[str, dict[str, float]] = {}
@@ -309,7 +309,7 @@ def simulated_step_times(sft: Path, results: list[dict[str, Any]], configs: list
         # per-position acceptance p from the mean acceptance length 1 + p + p^2 + ... (k = 4), solved numerically
         p = _per_position(sum(accept) / len(accept), 4) if accept else None
         variant, sched, extra = variant_of(name, over, p)
-        knobs = {**sim_knobs(trace, fit(dtype), max_batch=32), **extra}
+        knobs = {**sim_knobs(trace, fit(dtype), max_batch=32, component_weights=component_weights_of(over)), **extra}
         predicted = predict(knobs, variant, sched)
         measured = sum(r["step_s_mean"] for r in results if r["config"] == name) / sum(r["config"] == name for r in results)
         out[name] = {"predicted_s": round(predicted, 1), "measured_s": round(measured, 1),

@@ -3,15 +3,18 @@
 ``sim_knobs(run_dir, engine_fit)`` reads the workload and the trainer from the baseline run's own trace
 (its data pool and metrics.jsonl): groups and their size, the first prompt's length, the per-turn generated
 lengths (median, log-sd between and within groups), turns, the tokens each tool result adds, the
-environment's latency between turns (from each call's start and latency), the trainer's mean time per
-generated token, and the publish time. ``engine_fit`` gives the decode and prefill
+environment's latency between turns (from each call's start and latency), the share of groups whose
+rewards differ (under the configuration's own reward components, recomputed from each episode's recorded
+ones: partial credit turns all-fail groups into mixed ones), the trainer's mean time per generated token of
+the groups it trained, and the publish time. ``engine_fit`` gives the decode and prefill
 lines measured on the job's model (``arborl.sim.calibrate.calibrate``). ``predict(knobs, variant,
 scheduling)`` then simulates a configuration (consume/dispatch, ``sim.spec_acceptance``) and returns its mean
 step time.
 
 What the simulator does not model: an engine and a trainer sharing the same cores (on this 2-core machine
-asynchronous consumption slows both; the simulator gives each its own), and the adaptive draft length (it
-drafts ``spec_max_k`` at the measured per-position acceptance on every step).
+asynchronous consumption slows both; the simulator gives each its own), the adaptive draft length (it
+drafts ``spec_max_k`` at the measured per-position acceptance on every step), and which task a group
+draws (each simulated group is its own task, so dynamic sampling never skips a task for its history).
 """
 
 from __future__ import annotations
@@ -39,8 +42,14 @@ def _lognormal_by_moments(xs: list[float]) -> dict[str, float]:
     return {"env_median_s": mean / math.sqrt(1 + var / mean**2), "env_sigma": math.sqrt(s2)}
 
 
-def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int) -> dict[str, Any]:
-    """``sim.*`` knobs from a run's trace (module docstring)."""
+def _mixed(rewards: list[float]) -> bool:
+    return max(rewards) - min(rewards) > 0.0  # train.zero_variance_tol's default
+
+
+def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
+              component_weights: dict[str, float] | None = None) -> dict[str, Any]:
+    """``sim.*`` knobs from a run's trace (module docstring); ``component_weights``: the reward components
+    the predicted configuration adds to the trace's rewards (``train.advantage.shaping.component_weights``)."""
     from arborl.datapool import DataPool
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -59,9 +68,13 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int) ->
         for a, b in zip(e.calls, e.calls[1:]):
             obs.append(len(b.prompt_token_ids) - len(a.prompt_token_ids) - len(a.completion_token_ids))
             env.append(max(1e-3, b.created_at - (a.created_at + a.latency_s)))
-    # the trainer: its mean time per generated token over every step (a step whose groups all had equal
-    # rewards trains nothing: the mean keeps it, as the simulator cannot tell such a batch)
-    per_ktoken = sum(r.get("train_s", 0.0) for r in steps) / max(1e-9, sum(r["generated_tokens"] for r in steps) / 1000.0)
+    # the trainer: its mean time per generated token of the groups it trained (all-equal groups train nothing)
+    trained = [g for g in groups.values() if _mixed([e.reward or 0.0 for e in g])]
+    trained_tokens = sum(len(c.completion_token_ids) for g in trained for e in g for c in e.calls)
+    per_ktoken = sum(r.get("train_s", 0.0) for r in steps) / (trained_tokens / 1000.0) if trained_tokens else 0.0
+    weights = component_weights or {}
+    shaped = [[(e.reward or 0.0) + sum(w * e.reward_components.get(k, 0.0) for k, w in weights.items()) for e in g]
+              for g in groups.values()]
     turns = max(len(e.calls) for e in episodes)
     return {
         "prompts": max(1, round(len(groups) / max(1, len(steps)))), "group_size": max(len(g) for g in groups.values()),
@@ -70,13 +83,22 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int) ->
         "length_median": float(statistics.median(lengths)), "sigma_prompt": _log_sd(group_means, 1.0),
         "sigma_member": _log_sd(within, 0.01), "max_tokens": max(lengths), "min_tokens": 1,
         "turns": turns, "obs_tokens": max(0, round(statistics.mean(obs))) if obs else 0,
-        **_lognormal_by_moments(env), "train_base_s": 0.0, "train_per_ktoken_s": per_ktoken,
+        **_lognormal_by_moments(env), "mixed_fraction": sum(map(_mixed, shaped)) / len(shaped),
+        "train_base_s": 0.0, "train_per_ktoken_s": per_ktoken,
         "weight_update_s": statistics.mean(r.get("publish_s", 0.0) for r in steps),
         "kv_capacity_tokens": 10**7, **engine_fit,
     }
 
 
 # configuration -> (variant, scheduling knobs, sim knobs) it is predicted with
+def component_weights_of(overrides: list[str]) -> dict[str, float]:
+    """The reward components a configuration's ``--set`` overrides add (partial credit), {} if none."""
+    import yaml
+
+    sets = dict(o.split("=", 1) for o in overrides)
+    return {k: float(v) for k, v in (yaml.safe_load(sets.get("train.advantage.shaping.component_weights", "{}")) or {}).items()}
+
+
 def variant_of(name: str, overrides: list[str], spec_acceptance: float | None) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """How ``arborl simulate`` runs a configuration of the bench (its ``--set`` overrides)."""
     sets = dict(o.split("=", 1) for o in overrides)

@@ -34,6 +34,11 @@ class SimConfig(Section):
     obs_tokens: int = Field(0, ge=0, description="tokens an environment observation adds to the context per turn (tokens)")
     env_median_s: float = Field(0.0, ge=0, description="median environment latency after each turn, lognormal (seconds; 0 = none)")
     env_sigma: float = Field(1.0, ge=0, description="log-sd of the environment latency")
+    mixed_fraction: float = Field(
+        1.0, ge=0, le=1, description="share of groups whose rewards differ, drawn per group; the others are "
+        "all-equal (all fail or all pass): with train.advantage.drop_zero_variance their tokens are not trained, and "
+        "scheduling.consume=dynamic drops them and draws again (1 = every group has a learning signal)",
+    )
     train_base_s: float = Field(120.0, ge=0, description="trainer time per step, fixed part (seconds)")
     train_per_ktoken_s: float = Field(0.005, ge=0, description="trainer time per 1000 trained tokens (seconds)")
     decode_base_s: float = Field(0.02, ge=0, description="decode step time, fixed part (seconds)")

@@ -32,7 +32,8 @@ def workload(sim: SimConfig) -> Workload:
         group_size=sim.group_size, prompt_tokens=sim.prompt_tokens, length_median=sim.length_median,
         sigma_prompt=sim.sigma_prompt, sigma_member=sim.sigma_member, max_tokens=sim.max_tokens,
         min_tokens=min(sim.min_tokens, sim.max_tokens), turns=sim.turns, obs_tokens=sim.obs_tokens,
-        env_median_s=sim.env_median_s, env_sigma=sim.env_sigma, seed=sim.seed,
+        env_median_s=sim.env_median_s, env_sigma=sim.env_sigma, mixed_fraction=sim.mixed_fraction,
+        seed=sim.seed,
     )
 
 
@@ -77,6 +78,7 @@ def run_variant(cfg: Config, variant: str, *, trace: bool = False, timeline: boo
         workload(sim), insts, c, d, steps=sim.steps,
         train_s=lambda tokens: sim.train_base_s + sim.train_per_ktoken_s * tokens / 1000.0,
         partial_rollout=sched.partial_rollout, timeline=Timeline() if timeline else None,
+        drop_equal=cfg.train.advantage.drop_zero_variance,
     )
     res = drv.run()
     calls = {"consume": c.calls, "dispatch": d.calls} if trace else {}

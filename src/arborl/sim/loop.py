@@ -8,7 +8,7 @@ policies are the classes of ``arborl.scheduling`` and are only ever called throu
 
 Per event the driver: hands finished chunks back to the dispatcher, moves episodes to their next
 turn (after the environment latency) or finishes them, tells the consumption policy when a whole
-group is done, starts new groups while it allows, gives the trainer a batch when it is idle and the
+group is done (and its rewards, to a policy that reads them: dynamic sampling), starts new groups while it allows, gives the trainer a batch when it is idle and the
 policy has one, and fills every instance that has room from the dispatcher (round-robin).
 """
 
@@ -61,6 +61,7 @@ class _Grp:
     started_at: float
     left: int
     tokens: int = 0
+    mixed: bool = True  # its rewards differ: the trainer learns from it
     min_version: int | None = None
     cancelled: bool = False
     finished_at: float | None = None
@@ -88,6 +89,7 @@ class RolloutDriver:
         timeline: Timeline | None = None,
         max_events: int = 50_000_000,
         on_turn: Callable[[str, int, int], None] | None = None,
+        drop_equal: bool = True,
     ) -> None:
         if partial_rollout not in ("continue", "abort_resume"):
             raise ValueError(f"partial_rollout must be continue or abort_resume, got {partial_rollout!r}")
@@ -101,6 +103,7 @@ class RolloutDriver:
         self.timeline = timeline
         self.max_events = max_events
         self.on_turn = on_turn  # (lineage, turn, obs_tokens): real engines append observation tokens
+        self.drop_equal = drop_equal  # the trainer skips groups with all-equal rewards (train.advantage.drop_zero_variance)
         self.now = 0.0
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
@@ -112,6 +115,7 @@ class RolloutDriver:
         self._training: Batch | None = None
         self._trained = 0
         self._live_eps = 0
+        self._groups_finished = 0
         self._rollout_s = 0.0
         self._last_t = 0.0
         self.batches: list[dict] = []
@@ -170,9 +174,17 @@ class RolloutDriver:
         return RunResult(self.figures(), self.timeline, self.batches)
 
     def _schedule(self) -> None:
-        self._start_groups()
-        self._try_train()
-        self._fill()
+        # again while a pass changed what the policy allows: taking a batch resolves finished groups (a
+        # dynamic policy drops all-equal ones and may start more), and admitting a request syncs its
+        # instance, which may finish a group
+        while True:
+            before = (self._next_group, self._groups_finished, len(self.batches))
+            self._start_groups()
+            self._try_train()
+            self._fill()
+            again = not self._enough_started() and self.consume.can_start()
+            if not again and before == (self._next_group, self._groups_finished, len(self.batches)):
+                return
 
     # -- groups, episodes, requests ---------------------------------------------------------------
     def _enough_started(self) -> bool:
@@ -186,7 +198,7 @@ class RolloutDriver:
             self._next_group += 1
             gid = f"g{idx}"
             plans = self.workload.group(idx)
-            g = _Grp(gid, idx, self.consume.version, self.now, left=len(plans))
+            g = _Grp(gid, idx, self.consume.version, self.now, left=len(plans), mixed=self.workload.mixed(idx))
             self._groups[gid] = g
             self.consume.on_start(gid)
             if self.timeline is not None:
@@ -253,6 +265,10 @@ class RolloutDriver:
         g.left -= 1
         if g.left == 0:
             g.finished_at = self.now
+            self._groups_finished += 1
+            on_rewards = getattr(self.consume, "on_rewards", None)
+            if on_rewards is not None:  # each group its own task: the simulated tasks do not repeat
+                on_rewards(g.gid, g.gid, self.workload.rewards(g.index))
             self.consume.on_finish(g.gid, g.min_version)
 
     def _cancel_group(self, gid: str) -> None:
@@ -289,7 +305,7 @@ class RolloutDriver:
             self._cancel_group(gid)
         for gid in b.dropped:
             self.wasted_tokens += self._groups[gid].tokens
-        tokens = sum(self._groups[g].tokens for g in b.items)
+        tokens = sum(self._groups[g].tokens for g in b.items if self._groups[g].mixed or not self.drop_equal)
         self.trained_tokens += tokens
         steps = [self._groups[g].step for g in b.items]
         ends = sorted(t for g in b.items for t in self._groups[g].request_ends)
@@ -298,6 +314,7 @@ class RolloutDriver:
             "version": b.version,
             "taken_at": self.now,
             "items": len(b.items),
+            "trained_items": sum(1 for g in b.items if self._groups[g].mixed or not self.drop_equal),
             "tokens": tokens,
             "dropped": len(b.dropped),
             "cancelled": len(b.cancel),

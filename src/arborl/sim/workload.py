@@ -4,8 +4,10 @@ A group shares one prompt; its members' lengths are correlated: each prompt draw
 ``mu_p = log(median) + sigma_prompt * z`` and each member turn draws ``exp(mu_p + sigma_member * z')``,
 clipped to [min_tokens, max_tokens]. Episodes have 1..turns turns (uniform per member when turns > 1);
 after each turn the environment takes a lognormal latency (median ``env_median_s``, log-sd
-``env_sigma``) and answers with ``obs_tokens`` tokens. The i-th group is a pure function of
-(seed, i), so every policy compared on one workload sees the same groups in the same order.
+``env_sigma``) and answers with ``obs_tokens`` tokens. A group's rewards differ (it carries a learning
+signal) with probability ``mixed_fraction``, drawn on its own stream so the lengths do not move with it.
+The i-th group is a pure function of (seed, i), so every policy compared on one workload sees the same
+groups in the same order.
 """
 
 from __future__ import annotations
@@ -41,7 +43,19 @@ class Workload:
     obs_tokens: int = 0
     env_median_s: float = 0.0
     env_sigma: float = 1.0
+    mixed_fraction: float = 1.0
     seed: int = 0
+
+    def mixed(self, index: int) -> bool:
+        """Whether group ``index``'s rewards differ (False: all-equal, no learning signal)."""
+        if self.mixed_fraction >= 1.0:
+            return True
+        return bool(np.random.default_rng([self.seed, index, 1]).random() < self.mixed_fraction)
+
+    def rewards(self, index: int) -> list[float]:
+        """Group ``index``'s outcome rewards as a consumption policy sees them: one pass among fails when
+        mixed, all fails otherwise."""
+        return [1.0 if (m == 0 and self.mixed(index)) else 0.0 for m in range(self.group_size)]
 
     def group(self, index: int) -> list[EpisodePlan]:
         rng = np.random.default_rng([self.seed, index])
