@@ -8,8 +8,9 @@ policies are the classes of ``arborl.scheduling`` and are only ever called throu
 
 Per event the driver: hands finished chunks back to the dispatcher, moves episodes to their next
 turn (after the environment latency) or finishes them, tells the consumption policy when a whole
-group is done (and its rewards, to a policy that reads them: dynamic sampling), starts new groups while it allows, gives the trainer a batch when it is idle and the
-policy has one, and fills every instance that has room from the dispatcher (round-robin).
+group is done (and its rewards, to a policy that reads them: dynamic sampling), starts new groups
+while it allows, gives the trainer a batch when it is idle and the policy has one, and fills every
+instance that has room from the dispatcher (round-robin).
 """
 
 from __future__ import annotations
