@@ -43,7 +43,7 @@ def _lognormal_by_moments(xs: list[float]) -> dict[str, float]:
 
 
 def _mixed(rewards: list[float]) -> bool:
-    return max(rewards) - min(rewards) > 0.0  # train.zero_variance_tol's default
+    return max(rewards) - min(rewards) > 0.0  # train.advantage.zero_variance_tol's default
 
 
 def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
