@@ -42,8 +42,13 @@ def _lognormal_by_moments(xs: list[float]) -> dict[str, float]:
     return {"env_median_s": mean / math.sqrt(1 + var / mean**2), "env_sigma": math.sqrt(s2)}
 
 
-def _mixed(rewards: list[float]) -> bool:
-    return max(rewards) - min(rewards) > 0.0  # train.advantage.zero_variance_tol's default
+def _mixed_groups(groups: dict[str, list], reward) -> list[str]:
+    """The groups whose rewards (``reward(episode)``) differ, by the trainer's own zero-variance rule."""
+    from arborl.rewards.advantages import zero_variance_groups
+
+    eps = [e for g in groups.values() for e in g]
+    equal = set(zero_variance_groups([reward(e) for e in eps], [e.group_id for e in eps]))
+    return [gid for gid in groups if gid not in equal]
 
 
 def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
@@ -51,6 +56,7 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
     """``sim.*`` knobs from a run's trace (module docstring); ``component_weights``: the reward components
     the predicted configuration adds to the trace's rewards (``train.advantage.shaping.component_weights``)."""
     from arborl.datapool import DataPool
+    from arborl.rewards.shaping import task_reward
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if r.get("kind") == "step"]
@@ -69,12 +75,11 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
             obs.append(len(b.prompt_token_ids) - len(a.prompt_token_ids) - len(a.completion_token_ids))
             env.append(max(1e-3, b.created_at - (a.created_at + a.latency_s)))
     # the trainer: its mean time per generated token of the groups it trained (all-equal groups train nothing)
-    trained = [g for g in groups.values() if _mixed([e.reward or 0.0 for e in g])]
-    trained_tokens = sum(len(c.completion_token_ids) for g in trained for e in g for c in e.calls)
+    trained = _mixed_groups(groups, lambda e: e.reward or 0.0)
+    trained_tokens = sum(len(c.completion_token_ids) for gid in trained for e in groups[gid] for c in e.calls)
     per_ktoken = sum(r.get("train_s", 0.0) for r in steps) / (trained_tokens / 1000.0) if trained_tokens else 0.0
-    weights = component_weights or {}
-    shaped = [[(e.reward or 0.0) + sum(w * e.reward_components.get(k, 0.0) for k, w in weights.items()) for e in g]
-              for g in groups.values()]
+    # the configuration's rewards, as its controller would compute them from each episode's components
+    mixed = _mixed_groups(groups, lambda e: task_reward(e.reward_components, component_weights or {}))
     turns = max(len(e.calls) for e in episodes)
     return {
         "prompts": max(1, round(len(groups) / max(1, len(steps)))), "group_size": max(len(g) for g in groups.values()),
@@ -83,25 +88,29 @@ def sim_knobs(run_dir: Path, engine_fit: dict[str, float], *, max_batch: int,
         "length_median": float(statistics.median(lengths)), "sigma_prompt": _log_sd(group_means, 1.0),
         "sigma_member": _log_sd(within, 0.01), "max_tokens": max(lengths), "min_tokens": 1,
         "turns": turns, "obs_tokens": max(0, round(statistics.mean(obs))) if obs else 0,
-        **_lognormal_by_moments(env), "mixed_fraction": sum(map(_mixed, shaped)) / len(shaped),
+        **_lognormal_by_moments(env), "mixed_fraction": len(mixed) / len(groups),
         "train_base_s": 0.0, "train_per_ktoken_s": per_ktoken,
         "weight_update_s": statistics.mean(r.get("publish_s", 0.0) for r in steps),
         "kv_capacity_tokens": 10**7, **engine_fit,
     }
 
 
-# configuration -> (variant, scheduling knobs, sim knobs) it is predicted with
+def _sets(overrides: list[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides)
+
+
 def component_weights_of(overrides: list[str]) -> dict[str, float]:
     """The reward components a configuration's ``--set`` overrides add (partial credit), {} if none."""
     import yaml
 
-    sets = dict(o.split("=", 1) for o in overrides)
-    return {k: float(v) for k, v in (yaml.safe_load(sets.get("train.advantage.shaping.component_weights", "{}")) or {}).items()}
+    weights = yaml.safe_load(_sets(overrides).get("train.advantage.shaping.component_weights", "{}")) or {}
+    return {k: float(v) for k, v in weights.items()}
 
 
+# configuration -> (variant, scheduling knobs, sim knobs) it is predicted with
 def variant_of(name: str, overrides: list[str], spec_acceptance: float | None) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """How ``arborl simulate`` runs a configuration of the bench (its ``--set`` overrides)."""
-    sets = dict(o.split("=", 1) for o in overrides)
+    sets = _sets(overrides)
     consume = sets.get("scheduling.consume", "sync")
     sched = {k.split(".", 1)[1]: v for k, v in sets.items() if k.startswith("scheduling.") and k != "scheduling.consume"}
     extra: dict[str, Any] = {}

@@ -55,7 +55,8 @@ class Workload:
     def rewards(self, index: int) -> list[float]:
         """Group ``index``'s outcome rewards as a consumption policy sees them: one pass among fails when
         mixed, all fails otherwise."""
-        return [1.0 if (m == 0 and self.mixed(index)) else 0.0 for m in range(self.group_size)]
+        first = 1.0 if self.mixed(index) else 0.0
+        return [first] + [0.0] * (self.group_size - 1)
 
     def group(self, index: int) -> list[EpisodePlan]:
         rng = np.random.default_rng([self.seed, index])
