@@ -85,6 +85,14 @@ def test_variants_knob_adds_perturbed_tasks_in_their_origin_split(cr):
             kinds.add(t.meta["perturbation"])
             assert t.split == split[t.meta["variant_of"]]
     assert kinds == {"rename", "reorder", "reword", "layout", "nodep"}
+    # the knob adds variants to what trains; eval stays the held-out base tasks, comparable with a run without
+    # the knob, and the held-out variants are eval_perturbed's alone
+    trained = with_variants.pool("train")
+    assert {t.hash for t in base.pool("train")} < {t.hash for t in trained}
+    assert any(t.meta.get("perturbation") for t in trained)
+    assert [t.hash for t in with_variants.pool("eval")] == [t.hash for t in base.pool("eval")]
+    perturbed = with_variants.pool("eval_perturbed")
+    assert perturbed and all(t.meta.get("perturbation") and t.split == "eval" for t in perturbed)
 
 
 def test_seed_and_per_template_knobs_change_the_tasks(tmp_path):

@@ -430,7 +430,7 @@ def envs_perturb(
 ) -> None:
     """Make the perturbed variants of every code_repair task (renamed, reordered, reworded, moved, optional
     dependency removed; E5). Each is validated on its own (--validate, or `arborl envs validate code_repair
-    --which variants`); rollout.code_repair.variants=true draws the validated ones."""
+    --which variants`); rollout.code_repair.variants=true trains on the validated ones of the train split."""
     from arborl.config import load_config
     from arborl.tasks.code_repair.commands import perturb_suite, validate_suite
     from arborl.types import ArborlError

@@ -79,8 +79,9 @@ class CodeRepairConfig(Section):
         "('' = ~/.cache/arborl/code_repair/v<generator>-seed<seed>-n<per_template>)",
     )
     variants: bool = Field(
-        False, description="also draw the perturbed variants of every task (renamed, reordered, reworded, moved, "
-        "optional dependency removed; E5), each validated on its own"
+        False, description="also train on the perturbed variants of the train tasks (renamed, reordered, reworded, "
+        "moved, optional dependency removed; E5), each validated on its own; the held-out tasks' variants are only "
+        "ever the eval_perturbed split, never eval"
     )
     require_validated: bool = Field(
         True,

@@ -169,9 +169,10 @@ class CodeRepairSuite:
         return ("eval", "eval_perturbed") if self.cfg.eval_perturbed else ("eval",)
 
     def pool(self, split: str) -> list[RepairTask]:
-        """The tasks of ``split`` that the tier and validation knobs allow, in a fixed order. ``eval_perturbed``:
-        the perturbed variants of the eval split's tasks (never drawn for training or plain eval unless
-        ``variants``). A held-out task whose code (repository and gold patch) equals a train task's is left out."""
+        """The tasks of ``split`` that the tier and validation knobs allow, in a fixed order. ``train`` holds the
+        train tasks' perturbed variants too with ``variants``; ``eval`` is the held-out base tasks only, so its
+        figures stay comparable whatever trains; ``eval_perturbed``: the perturbed variants of the eval split's
+        tasks. A held-out task whose code (repository and gold patch) equals a train task's is left out."""
         if split not in ("train", "eval", "eval_perturbed"):
             raise ValueError(f"split must be 'train', 'eval' or 'eval_perturbed', got {split!r}")
         statuses = self.cache.statuses()
@@ -181,7 +182,7 @@ class CodeRepairSuite:
             variant = bool(t.meta.get("perturbation"))
             if split == "eval_perturbed":
                 return t.split == "eval" and variant
-            return t.split == split and (self.cfg.variants or not variant)
+            return t.split == split and (split == "train" and self.cfg.variants or not variant)
 
         out = [t for t in self.all_tasks if wanted(t) and self.cfg.tier in ("all", t.tier)
                and statuses.get(t.hash, "") in ok]
