@@ -87,11 +87,13 @@ $(VF_VENV)/.installed:
 verifiers: $(VF_VENV)/.installed
 
 # the mini-swe-agent job (configs/mini_swe_agent.yaml): demonstrations in mini's own action format, rendered by
-# mini itself in the sandbox, then `arborl train` = evals, SFT on them, evals, GRPO through the gateway, evals
+# mini itself in the sandbox, then `arborl train` = evals, SFT on them, evals, GRPO through the gateway, evals.
+# The demos are of the 121 base train tasks; RL draws those and the 200 validated variants (rollout.code_repair.variants)
 MSWEA_CONFIG := configs/mini_swe_agent.yaml
 mini-swe-agent-demos: venv sandbox mswea
 	$(VENV)/bin/arborl envs validate code_repair $(MSWEA_CONFIG) --tier easy
-	$(VENV)/bin/arborl envs demos code_repair $(MSWEA_CONFIG) --split train --per-task 1 \
+	$(VENV)/bin/arborl envs validate code_repair $(MSWEA_CONFIG) --tier easy --which variants --split train --limit 200
+	$(VENV)/bin/arborl envs demos code_repair $(MSWEA_CONFIG) --split train --per-task 1 --set rollout.code_repair.variants=false \
 	  --render-command "$(MSWEA_VENV)/bin/python examples/mini_swe_agent/demo.py --config examples/mini_swe_agent/config.yaml" \
 	  --out runs/mini-swe-agent-demos.jsonl
 
