@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from arborl.config import load_config
+from arborl.datapool import DataPool
 from arborl.run.job import train
 from arborl.scheduling.consume import make_consume
 from arborl.scheduling.dynamic import DynamicSampling
@@ -107,3 +108,10 @@ def test_a_training_run_with_dynamic_sampling_trains_only_groups_with_signal(tmp
             assert s["episodes"] == 8  # B = 2 groups of 4
     assert steps[-1]["sched/all_equal_groups"] > 0 and steps[-1]["sched/skipped_tasks"] > 0
     assert steps[-1]["sched/overdrawn_groups"] > 0
+    # throughput counts what the rollout generated, the dropped all-equal groups too, per second of the rollout
+    # (dynamic waits for its batch like sync: training is not generation time)
+    with DataPool(tmp_path / "dyn" / "datapool.sqlite") as pool:
+        generated = sum(len(c.completion_token_ids) for e in pool.episodes() for c in e.calls)
+    assert sum(s["generated_tokens"] for s in steps) == generated
+    for s in steps:
+        assert s["rollout_tokens_per_s"] == pytest.approx(s["generated_tokens"] / s["rollout_s"])

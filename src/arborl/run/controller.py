@@ -403,8 +403,7 @@ class Controller:
         batch = await self._next_batch()
         rollout_s = time.perf_counter() - t0
         self.cancel(batch.cancel, "policy")
-        for gid in batch.dropped:
-            self._finished.pop(gid, None)
+        discarded = [e for gid in batch.dropped for e in self._finished.pop(gid, ())]  # generated, not trained
         self._resolved(list(batch.dropped), "dropped", "policy")
         groups = {gid: self._finished.pop(gid) for gid in batch.items}
         episodes = [e for eps in groups.values() for e in eps]
@@ -448,9 +447,11 @@ class Controller:
         if step + 1 >= cfg.rollout.steps:
             await self.close()
         step_s = time.perf_counter() - t0
-        gen_tokens = sum(len(c.completion_token_ids) for e in episodes for c in e.calls)
-        # sync: tokens per second of the rollout; async: generation overlaps training, so per second of the step
-        gen_s = rollout_s if self.policy.name == "sync" else step_s
+        # every token this step's rollout produced, the dropped groups' too (dynamic sampling's all-equal groups,
+        # an over-sampled step's surplus); sync-like policies: per second of the rollout; async: generation
+        # overlaps training, so per second of the step
+        gen_tokens = sum(len(c.completion_token_ids) for e in episodes + discarded for c in e.calls)
+        gen_s = step_s if self.policy.overlaps_training else rollout_s
         n = max(1, len(episodes))
         st = self.policy.stats()
         return {

@@ -68,6 +68,7 @@ class VersionGapFilter:
 
 class _Consume:
     name = "base"
+    overlaps_training = True  # generation may run while the trainer trains (False: the step waits for its batch)
 
     def __init__(self, batch_size: int, *, cap: int, filters: Sequence[SampleFilter] = (), version: int = 0) -> None:
         if batch_size < 1:
@@ -258,6 +259,7 @@ class SyncConsume(_Consume):
     """On-policy: start ceil((1 + oversample) N) items per version, train the first N finished."""
 
     name = "sync"
+    overlaps_training = False
 
     def __init__(self, batch_size: int, *, oversample: float = 0.0, filters: Sequence[SampleFilter] = (),
                  version: int = 0) -> None:

@@ -42,11 +42,14 @@ class ConsumePolicy(Protocol):
     published new weights (returns running items that can never be trained: abort them),
     ``on_batch_skipped`` when the batch taken was not trained (the version stays). ``snapshot`` (a
     JSON-able dict, between steps) goes into a checkpoint; a fresh policy at the checkpoint's version
-    ``restore``s it and returns the open items, which the controller starts again."""
+    ``restore``s it and returns the open items, which the controller starts again. ``overlaps_training``:
+    whether items may be generated while the trainer trains (async) or each step waits for its batch
+    (sync-like); the step's rollout tokens/s is per second of the step or of its rollout accordingly."""
 
     name: str
     batch_size: int
     version: int
+    overlaps_training: bool
 
     def can_start(self) -> bool: ...
 
