@@ -195,7 +195,7 @@ class Controller:
             return []
         sc = self.cfg.scheduling
         bound = sc.max_version_gap if sc.max_version_gap is not None else (
-            0 if sc.consume in ("sync", "dynamic") else math.ceil(sc.async_ratio - 1e-9))
+            math.ceil(sc.async_ratio - 1e-9) if self.policy.overlaps_training else 0)
         calls = []
         for c in interrupted.calls:
             if not c.versions or self.version - min(c.versions) > bound:
