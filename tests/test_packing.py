@@ -65,7 +65,7 @@ class _Float64RMSNorm(torch.nn.Module):
 
 def _exact_norms(model: torch.nn.Module) -> None:
     """Make a float64 model float64 throughout: its RMSNorms become ``_Float64RMSNorm``."""
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child).__name__.endswith("RMSNorm"):
                 setattr(module, child_name, _Float64RMSNorm(child))
