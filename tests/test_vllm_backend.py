@@ -8,6 +8,7 @@ is a retryable failure that the supervisor restarts (serving the newest weights)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -19,6 +20,7 @@ import torch
 from arborl.run.assemble import build_gateway
 from arborl.config import load_config
 from arborl.engine.backends import ENGINE_BACKENDS
+from arborl.engine.backends.remote import Piece
 from arborl.engine.backends.vllm import VLLMEngine, vllm_python
 from arborl.gateway.errors import EngineFailedError
 from arborl.models import load_model, tiny_llama
@@ -68,6 +70,31 @@ def greedy(n: int, **kw) -> SamplingParams:
 PROMPT = list(range(300, 340))
 
 
+def hold_after(monkeypatch, eng, request_id: str, n: int) -> asyncio.Event:
+    """The engine reads the first ``n`` tokens of ``request_id``'s first segment from the real server, then waits
+    for more, as over a slow network, until the segment is cancelled (an update, an abort). The returned event is
+    set once it waits: from then on the request is in flight for the engine, whatever the server's speed (a
+    fast server may have finished it already; what it sent after the ``n`` tokens is never read)."""
+    waiting, serve = asyncio.Event(), eng.stream_segment
+
+    async def stream_segment(client, seg):
+        got = 0
+        async with contextlib.aclosing(serve(client, seg)) as pieces:
+            async for piece in pieces:
+                if seg.request_id != request_id:
+                    yield piece
+                    continue
+                take = piece.token_ids[: n - got]
+                got += len(take)
+                yield Piece(take, piece.logprobs[: len(take)], None, piece.cached_tokens)
+                if got == n:
+                    waiting.set()
+                    await asyncio.Event().wait()  # until cancelled
+
+    monkeypatch.setattr(eng, "stream_segment", stream_segment)
+    return waiting
+
+
 def test_token_round_trip_equals_builtin_engine_and_the_records(env):
     built, eng, ref, _ = env
     assert isinstance(eng, VLLMEngine)
@@ -112,40 +139,29 @@ def test_seeded_sampling_repeats_and_stop_strings_match_the_builtin_engine(env):
     assert stop in loaded.tokenizer.decode(ours.token_ids, skip_special_tokens=False)
 
 
-def test_abort_ends_the_request_with_its_tokens(env):
+def test_abort_ends_the_request_with_its_tokens(env, monkeypatch):
     _, eng, _, _ = env
+    req = GenerateRequest(PROMPT, greedy(400, ignore_eos=True))
+    fifth = hold_after(monkeypatch, eng, req.request_id, 5)
 
-    async def consume(req: GenerateRequest, seen: list[int], fifth: asyncio.Event):
+    async def consume(seen: list[int]):
         async for ev in eng.stream(req):
             if hasattr(ev, "token_id"):
                 seen.append(ev.token_id)
-                if len(seen) == 5:
-                    fifth.set()
             else:
-                fifth.set()  # finished before its fifth token
                 return ev
 
     async def go():
-        async with httpx.AsyncClient() as http:
-            for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
-                req, seen, fifth = GenerateRequest(PROMPT, greedy(400, ignore_eos=True)), [], asyncio.Event()
-                task = asyncio.ensure_future(consume(req, seen, fifth))
-                await fifth.wait()
-                # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now is
-                # in flight when the abort arrives, whatever the machine's speed
-                assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200
-                running = await _vllm_running(http, eng.url) > 0 and not task.done()
-                if running:
-                    eng.abort(req.request_id)
-                await http.post(f"{eng.url}/resume", timeout=60)
-                result = await task
-                if running:
-                    return len(seen), result
-            raise AssertionError("the server finished every request before it could be paused")
+        seen: list[int] = []
+        task = asyncio.ensure_future(consume(seen))
+        await fifth.wait()  # the request holds its fifth token and waits for more
+        eng.abort(req.request_id)
+        result = await task
+        return len(seen), result  # every token the stream sent, counted after its result
 
     n, result = run(go())
     assert result.finish_reason.value == "abort"
-    assert 5 <= len(result.token_ids) < 400 and len(result.token_ids) == n
+    assert len(result.token_ids) == n == 5
     assert eng.load() == 0
 
 
@@ -186,8 +202,10 @@ def test_stitched_multi_turn_episode_on_vllm_is_one_sample(env):
     assert sum(sample["loss_mask"]) == len(c1["completion_token_ids"]) + len(c2["completion_token_ids"])
 
 
-def test_weight_update_changes_outputs_and_versions_in_flight(env):
+def test_weight_update_changes_outputs_and_versions_in_flight(env, monkeypatch):
     _, eng, ref, loaded = env
+    req = GenerateRequest(PROMPT, greedy(300, ignore_eos=True))
+    third = hold_after(monkeypatch, eng, req.request_id, 3)
     base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     gen = torch.Generator().manual_seed(1)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
@@ -196,23 +214,8 @@ def test_weight_update_changes_outputs_and_versions_in_flight(env):
 
     async def go():
         before = await eng.generate(GenerateRequest(PROMPT, greedy(16, ignore_eos=True)))
-        async with httpx.AsyncClient() as http:
-            for _ in range(5):  # until the server holds the request mid-way (a fast server may finish it first)
-                req = GenerateRequest(PROMPT, greedy(300, ignore_eos=True))
-                task = asyncio.ensure_future(eng.generate(req))
-                while not task.done() and not any(
-                        live for live in [eng._live.get(req.request_id)] if live and len(live.tokens) >= 3):
-                    await asyncio.sleep(0.01)
-                # vLLM stops stepping and keeps its requests (/pause?mode=keep): one still running now is in
-                # flight when the update starts, whatever the machine's speed; the update's own pause and
-                # resume then let it go on under the new weights
-                assert (await http.post(f"{eng.url}/pause", params={"mode": "keep"}, timeout=60)).status_code == 200
-                if await _vllm_running(http, eng.url) > 0 and not task.done():
-                    break
-                await http.post(f"{eng.url}/resume", timeout=60)
-                await task
-            else:
-                raise AssertionError("the server finished every request before it could be paused")
+        task = asyncio.ensure_future(eng.generate(req))
+        await third.wait()  # in flight: 3 tokens under v0 read, the rest still to come
         seconds = await eng.update_weights(new, v0 + 1)
         in_flight = await task
         after = await eng.generate(GenerateRequest(PROMPT, greedy(16, ignore_eos=True)))
@@ -224,8 +227,8 @@ def test_weight_update_changes_outputs_and_versions_in_flight(env):
     assert after.token_ids != before.token_ids and after.versions == [v0 + 1] * 16
     assert after.token_ids == mine.token_ids  # vLLM serves exactly the new weights
     assert after.logprobs == pytest.approx(mine.logprobs, abs=2e-3)
-    vs = in_flight.versions
-    assert vs[0] == v0 and vs[-1] == v0 + 1 and vs == sorted(vs) and len(vs) == 300
+    # the update stopped the segment after its 3 tokens; the engine asked the rest of the new weights
+    assert in_flight.versions == [v0] * 3 + [v0 + 1] * 297 and len(in_flight.token_ids) == 300
     assert 0 < seconds < 60
 
 
