@@ -4,12 +4,12 @@ break-even), and the acceptance walk's time per sequence, measured by the engine
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from arborl.config import EngineConfig, SpecConfig
 from arborl.engine import LLMEngine
+from arborl.engine.specdec import adaptive
 from arborl.engine.specdec.adaptive import MIN_GAIN, AdaptiveLength, VerifyProfile, monotone
 from arborl.models import tiny_llama
 from arborl.types import GenerateRequest, SamplingParams
@@ -86,23 +86,25 @@ def test_packed_verify_is_costed_by_the_drafts_it_holds():
     assert length.choose(4, 0.5) == 0 and length.choose(4, 0.5, sizes=[4, 4, 0, 0]) == 2  # the best k packed
 
 
-def test_profile_is_timed_in_passes_over_the_grid_and_made_monotone(tmp_path):
+def test_profile_is_timed_in_passes_over_the_grid_and_made_monotone(tmp_path, monkeypatch):
     """A busy spell slows the cells timed during it in one pass, not every timing of one cell: the
     fastest of the passes holds. What noise still leaves is made non-decreasing in batch and in
     positions by pooling (T(2, 0) above T(4, 0) turned speculation off at batch 4 and on at batch 3)."""
     calls: list[tuple[int, int]] = []
     busy = {(2, 0): 3}  # (B, n) -> the call (counting from 1) of that cell that the busy spell hits
 
+    now = [0.0]  # the profile's clock: each call advances it by its cost, so a loaded machine changes nothing
+
     def run(b: int, n: int) -> None:
         calls.append((b, n))
         slow = busy.get((b, n)) == calls.count((b, n))
-        t = time.perf_counter() + (0.02 if slow else 0.001 * b * (1 + n))
-        while time.perf_counter() < t:
-            pass
+        now[0] += 0.02 if slow else 0.001 * b * (1 + n)
 
-    prof = VerifyProfile.measure(run, [1, 2, 4], [0, 1], rounds=3)
+    with monkeypatch.context() as m:
+        m.setattr(adaptive.time, "perf_counter", lambda: now[0])
+        prof = VerifyProfile.measure(run, [1, 2, 4], [0, 1], rounds=3)
     assert calls[:6] == calls[6:12] == calls[12:18] == [(1, 0), (1, 1), (2, 0), (2, 1), (4, 0), (4, 1)]
-    assert prof.seconds[1][0] < 0.01  # the slow call of (2, 0) is not what the profile holds
+    assert prof.seconds[1][0] == pytest.approx(0.002)  # the slow call of (2, 0) is not what the profile holds
     noisy = [[1.0, 2.0, 1.5], [3.0, 2.0, 4.0], [2.0, 5.0, 6.0]]
     fixed = monotone(noisy)
     assert all(a <= b for row in fixed for a, b in zip(row, row[1:]))
